@@ -1,0 +1,1 @@
+"""Example LightningModules written for one device: no parallel code in them."""

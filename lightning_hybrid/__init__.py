@@ -1,0 +1,13 @@
+"""lightning-hybrid: 3D parallel training (tensor x pipeline x data parallel with ZeRO) for any LightningModule."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_hybrid.config import HybridConfigError, ParallelLayout
+from lightning_hybrid.strategy import HybridStrategy
+
+__all__ = ["HybridConfigError", "HybridStrategy", "ParallelLayout"]
+__version__ = "0.1.0"
+
+# Registration must happen at import time in every process (Lightning's launcher re-runs the script per rank).
+if HybridStrategy.strategy_name not in StrategyRegistry:
+    HybridStrategy.register_strategies(StrategyRegistry)

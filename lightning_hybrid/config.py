@@ -1,0 +1,137 @@
+"""The parallel layout as plain data, and its validation.
+
+Everything here is pure Python on purpose: every rank evaluates the same checks on the same numbers and raises the
+same error before any process group or collective exists, so a bad configuration can never hang a job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Union
+
+__all__ = ["HybridConfigError", "ParallelLayout", "check_sizes"]
+
+ZeroStage = Literal[0, 1, 2, 3]
+
+
+class HybridConfigError(ValueError):
+    """A configuration of :class:`~lightning_hybrid.HybridStrategy` that cannot work.
+
+    The message names the parameter, the value given, and how to fix it.
+    """
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HybridConfigError(f"`{name}` must be a positive integer, got {value!r}.")
+    return value
+
+
+def check_sizes(
+    *,
+    tensor_parallel_size: Any,
+    pipeline_parallel_size: Any,
+    data_parallel_size: Any,
+    zero_stage: Any,
+    sequence_parallel: bool = False,
+) -> None:
+    """The checks that need no world size (run in the strategy's constructor, on every rank alike)."""
+    tp = _check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    _check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
+    if data_parallel_size != "auto":
+        _check_positive_int("data_parallel_size", data_parallel_size)
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+        raise HybridConfigError(
+            f"`zero_stage` must be 0, 1, 2 or 3, got {zero_stage!r}. 0 replicates the model, 1 shards optimizer"
+            " state, 2 also gradients, 3 also parameters over the data-parallel ranks."
+        )
+    if sequence_parallel and tp == 1:
+        raise HybridConfigError(
+            "`sequence_parallel=True` needs `tensor_parallel_size` > 1: sequence parallelism splits the"
+            " activations between tensor-parallel regions across the tensor-parallel ranks."
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """How the world of processes is split: tensor x pipeline x data parallel, and the ZeRO stage over data.
+
+    Example:
+        >>> layout = ParallelLayout.resolve(world_size=8, tensor_parallel_size=2, pipeline_parallel_size=2)
+        >>> layout.data_parallel_size
+        2
+    """
+
+    world_size: int
+    """Number of processes in the job."""
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer's weights (innermost mesh dimension: consecutive ranks)."""
+    pipeline_parallel_size: int = 1
+    """Ranks that split the stack of layers into stages (outermost mesh dimension)."""
+    data_parallel_size: int = 1
+    """Model replicas that see different data; ZeRO shards over this dimension."""
+    zero_stage: int = 1
+    """0: replicate; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout activations along the sequence between tensor-parallel regions (Megatron-SP)."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Free-form layout facts recorded with the run (schedule, micro-batches, precision, ...)."""
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        world_size: int,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        zero_stage: int = 1,
+        sequence_parallel: bool = False,
+        **extras: Any,
+    ) -> ParallelLayout:
+        """Validate the sizes against the world size and fill in ``data_parallel_size="auto"``."""
+        _check_positive_int("world_size", world_size)
+        check_sizes(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+        )
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        if world_size % (tp * pp) != 0:
+            raise HybridConfigError(
+                f"The world size ({world_size}) is not divisible by tensor_parallel_size x pipeline_parallel_size"
+                f" ({tp} x {pp} = {tp * pp}). Change `tensor_parallel_size`/`pipeline_parallel_size`, or launch a"
+                f" multiple of {tp * pp} processes (devices x num_nodes)."
+            )
+        if data_parallel_size == "auto":
+            dp = world_size // (tp * pp)
+        else:
+            dp = data_parallel_size
+            if tp * pp * dp != world_size:
+                raise HybridConfigError(
+                    f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {tp} x {pp} x {dp} ="
+                    f" {tp * pp * dp}, but the world size is {world_size}. Set `data_parallel_size='auto'`"
+                    f" (= {world_size // (tp * pp)}) or change the sizes so that their product is {world_size}."
+                )
+        return cls(
+            world_size=world_size,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            data_parallel_size=dp,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+            extras=dict(extras),
+        )
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline, data, tensor) coordinates of a global rank; tensor varies fastest (Megatron's rank order)."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        return rank // (tp * dp), (rank // tp) % dp, rank % tp
+
+    def as_dict(self) -> dict[str, Any]:
+        """The layout as plain types (for loggers, checkpoints and the start-up table)."""
+        out = asdict(self)
+        out.update(out.pop("extras"))
+        return out

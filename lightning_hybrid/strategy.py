@@ -1,0 +1,419 @@
+"""HybridStrategy: the Lightning glue that composes the mesh, tensor parallel, ZeRO and (later) the pipeline.
+
+The logic lives in the per-concern packages; this class only decides *when* each runs in Lightning's loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_sizes
+from lightning_hybrid.sharding import (
+    GradientSync,
+    ShardedOptimizer,
+    apply_fully_shard,
+    local_tensor,
+    measure_model_state_bytes,
+)
+from lightning_hybrid.structure import ModelStructure, find_model_structure
+from lightning_hybrid.tensor_parallel import apply_tensor_parallel, build_tensor_parallel_plan
+from lightning_hybrid.topology import build_device_mesh, format_rank_table, gather_rank_devices
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["HybridStrategy"]
+
+
+class HybridStrategy(ParallelStrategy):
+    """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
+
+    Arguments:
+        tensor_parallel_size: ranks that split each layer (DTensor). Consecutive ranks, so keep it within a node.
+        pipeline_parallel_size: ranks that split the stack of blocks into stages. Only 1 in this release.
+        data_parallel_size: model replicas; ``"auto"`` is ``world_size // (tensor x pipeline)``.
+        zero_stage: 0 replicate, 1 shard optimizer state, 2 also gradients, 3 also parameters (FSDP2).
+        tensor_parallel_plan: ``"auto"`` (find the plan; Hugging Face models use the plan they declare), or a dict
+            ``{module-name pattern: "colwise" | "rowwise" | ParallelStyle}``. If ``configure_model`` already
+            parallelized the model with ``self.device_mesh["tensor"]``, the plan is not applied.
+        sequence_parallel: shard norm/dropout activations along the sequence (Megatron-SP); needs tensor parallel.
+        activation_checkpointing: recompute each transformer block in the backward pass instead of storing it.
+        vocab_parallel_loss: keep the logits sharded over the vocabulary so cross-entropy never gathers them.
+        transformer_blocks: name of the repeated block list when it cannot be found automatically.
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
+        timeout: timeout of collectives.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> strategy = HybridStrategy(tensor_parallel_size=2, zero_stage=1)
+        >>> trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=10)  # tp=2 x dp=2
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        zero_stage: int = 1,
+        tensor_parallel_plan: Union[str, dict[str, Any]] = "auto",
+        sequence_parallel: bool = False,
+        activation_checkpointing: bool = False,
+        vocab_parallel_loss: bool = True,
+        transformer_blocks: Optional[str] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        # Validate what needs no world size now: every rank runs this constructor, so all raise alike, collective-free.
+        check_sizes(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+        )
+        if pipeline_parallel_size != 1:
+            raise HybridConfigError(
+                f"`pipeline_parallel_size={pipeline_parallel_size}`: pipeline parallelism is not in this release of"
+                " lightning-hybrid yet. Use `pipeline_parallel_size=1` (tensor and data parallel work)."
+            )
+        if not (tensor_parallel_plan == "auto" or isinstance(tensor_parallel_plan, dict)):
+            raise HybridConfigError(
+                f"`tensor_parallel_plan` must be 'auto' or a dict {{module-name pattern: style}}, got"
+                f" {tensor_parallel_plan!r}."
+            )
+        self._sizes = {
+            "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "data_parallel_size": data_parallel_size,
+            "zero_stage": zero_stage,
+            "sequence_parallel": sequence_parallel,
+        }
+        self._tensor_parallel_plan = tensor_parallel_plan
+        self._activation_checkpointing = activation_checkpointing
+        self._vocab_parallel_loss = vocab_parallel_loss
+        self._transformer_blocks = transformer_blocks
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._layout: Optional[ParallelLayout] = None
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._structure: Optional[ModelStructure] = None
+        self._vocab_parallel_head: Optional[str] = None
+        self._gradient_sync: Optional[GradientSync] = None
+        self._sharded_optimizers: list[ShardedOptimizer] = []
+        self.model_state_bytes: dict[str, int] = {}
+        """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ layout and processes
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._layout is None:
+            raise RuntimeError("Accessing the layout before the processes have initialized is not allowed.")
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("pipeline", "data", "tensor")`` mesh; also available as ``LightningModule.device_mesh``."""
+        if self._device_mesh is None:
+            raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning turns off sync_dist and the distributed sampler for strategies it does not know unless this is set
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # only the data dimension splits the data: tensor (and pipeline) peers of a replica see the identical batch
+        data = self.device_mesh["data"]
+        return {"num_replicas": data.size(), "rank": data.get_local_rank()}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        # resolve the layout from the world size before the process group exists: a bad layout raises on every rank
+        self._layout = ParallelLayout.resolve(world_size=self.world_size, **self._sizes)
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._device_mesh = build_device_mesh(self._layout, self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        table = format_rank_table(self._layout, gather_rank_devices(self.root_device))
+        rank_zero_info(table)
+
+    # ------------------------------------------------------------------ model set-up
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self._parallelize(module)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _parallelize(self, module: pl.LightningModule) -> None:
+        layout = self.layout
+        mesh = self.device_mesh
+        self._structure = structure = find_model_structure(module, self._transformer_blocks)
+        replicated: list[tuple[str, str]] = []
+        user_parallelized = any(isinstance(p, DTensor) for p in module.parameters())
+        if layout.tensor_parallel_size > 1 and not user_parallelized:
+            plan = build_tensor_parallel_plan(
+                module, structure, self._tensor_parallel_plan, vocab_parallel_loss=self._vocab_parallel_loss
+            )
+            pairs = apply_tensor_parallel(
+                module, structure, plan, mesh["tensor"], sequence_parallel=layout.sequence_parallel
+            )
+            named = {id(p): n for n, p in module.named_parameters()}
+            replicated = [(named[id(p)], op) for p, op in pairs]
+            self._vocab_parallel_head = plan.vocab_parallel_head
+            rank_zero_info("lightning-hybrid tensor-parallel plan:\n" + plan.describe())
+        elif user_parallelized and layout.tensor_parallel_size > 1:
+            replicated = [(n, "avg") for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+        if self._activation_checkpointing:
+            from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing
+
+            apply_activation_checkpointing(module, structure.block_names())
+        if layout.zero_stage == 3:
+            roots = [structure.network_name] if structure.network_name else [""]
+            roots += [n for n, child in module.named_children() if n != structure.network_name and any(True for _ in child.parameters())]
+            dp_replicated = apply_fully_shard(module, structure.block_names(), roots, mesh["data"])
+        else:
+            dp_replicated = []
+        self._gradient_sync = GradientSync(module, replicated, mesh["tensor"], dp_replicated, mesh["data"])
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        stage = self.layout.zero_stage
+        self._sharded_optimizers = (
+            [ShardedOptimizer(opt, stage=stage, dp_mesh=self.device_mesh["data"]) for opt in self.optimizers]
+            if stage < 3
+            else []
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps
+    def _loss_context(self) -> AbstractContextManager:
+        if self._vocab_parallel_head is None:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def _run_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        assert self.lightning_module is not None
+        with self.precision_plugin.train_step_context() if name == "training_step" else nullcontext(), self._loss_context():
+            with _plain_logging(self.lightning_module, self.device_mesh["data"]):
+                output = getattr(self.lightning_module, name)(*args, **kwargs)
+        return apply_to_collection(output, DTensor, _to_plain)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("predict_step", *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        # the vocab-parallel cross-entropy's backward must run under the same loss_parallel context as its forward
+        with self._loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        sharded = self._sharded_for(optimizer)
+
+        def closure_then_reduce() -> Any:
+            result = closure()
+            self.reduce_gradients(sharded)
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        self.model_state_bytes = measure_model_state_bytes(
+            self.lightning_module, self.optimizers, self._sharded_optimizers or None
+        )
+        if sharded is not None:
+            sharded.gather_parameters()
+        return output
+
+    def _sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
+        raw = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the user's optimizer
+        return next((z for z in self._sharded_optimizers if z.optimizer is raw), None)
+
+    def reduce_gradients(self, sharded: Optional[ShardedOptimizer] = None) -> None:
+        """Make gradients the single-device ones: tensor-parallel replicas first, then data-parallel (ZeRO) reduction.
+
+        Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself).
+        """
+        if self._gradient_sync is not None:
+            self._gradient_sync()
+        if sharded is not None:
+            sharded.reduce_gradients()
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
+        on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
+        module = self.lightning_module
+        grads: dict[int, Optional[Tensor]] = {}
+        for z in self._sharded_optimizers:
+            grads.update({id(p): g for p, g in zip(z.model_parameters, z.gathered_gradients())})
+        out = {}
+        for name, p in module.named_parameters():
+            g = grads.get(id(p), p.grad)
+            if g is None:
+                continue
+            if isinstance(p, DTensor) and not isinstance(g, DTensor):
+                g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            out[name] = g.full_tensor() if isinstance(g, DTensor) else g
+        return out
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        objects = [obj]
+        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
+        return objects[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="3D parallel: tensor x pipeline x data (ZeRO)")
+
+
+def _to_plain(t: DTensor) -> Tensor:
+    # a replicated DTensor's local tensor is the full value; anything sharded or partial is gathered
+    if all(p.is_replicate() for p in t.placements):
+        return t.to_local()
+    return t.full_tensor()
+
+
+@contextmanager
+def _plain_logging(module: pl.LightningModule, data_mesh: DeviceMesh) -> Generator[None, None, None]:
+    """While a step runs, ``self.log`` receives plain tensors (not DTensors) and ``sync_dist`` reduces over the
+    data-parallel group only: tensor/pipeline peers hold the same value, so including them would double-count."""
+    original = module.log
+
+    @functools.wraps(original)
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        value = apply_to_collection(value, DTensor, _to_plain)
+        if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
+            kwargs["sync_dist_group"] = data_mesh.get_group()
+        return original(name, value, *args, **kwargs)
+
+    module.log = log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log

@@ -1,0 +1,186 @@
+"""Applying a tensor-parallel plan: DTensor sharding, head counts, tied weights, sequence parallel, and which replicated
+parameters need their gradients made consistent across the tensor-parallel group."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.structure import ModelStructure
+from lightning_hybrid.tensor_parallel.plan import HEAD_COUNT_ATTRIBUTES, FusedColwiseParallel, TensorParallelPlan
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["apply_tensor_parallel", "validate_tensor_parallel_plan"]
+
+_NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, _NORM_TYPES) or type(module).__name__.lower().endswith(("norm", "layernorm"))
+
+
+def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp: int) -> None:
+    """Check every split divides evenly, before any collective runs (pure function of the model and ``tp``)."""
+    problems = []
+    for name, style in plan.styles.items():
+        module = root.get_submodule(name)
+        if isinstance(module, nn.Linear):
+            if isinstance(style, FusedColwiseParallel):
+                dim, what, size = module.out_features // style.num_blocks, "out_features per fused block", None
+            elif isinstance(style, ColwiseParallel):
+                dim, what = module.out_features, "out_features"
+            elif isinstance(style, RowwiseParallel):
+                dim, what = module.in_features, "in_features"
+            else:
+                continue
+        elif isinstance(module, nn.Embedding) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            rowwise = isinstance(style, RowwiseParallel)
+            dim = module.num_embeddings if rowwise else module.embedding_dim
+            what = "num_embeddings (vocabulary)" if rowwise else "embedding_dim"
+        else:
+            continue
+        if dim % tp:
+            problems.append(f"{name}.{what}={dim}")
+    for name in sorted(plan.attention_modules):
+        module = root.get_submodule(name)
+        for attr in HEAD_COUNT_ATTRIBUTES:
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and value % tp:
+                problems.append(f"{name}.{attr}={value}")
+    if problems:
+        raise HybridConfigError(
+            f"`tensor_parallel_size={tp}` does not divide {', '.join(problems[:6])}"
+            f"{' ...' if len(problems) > 6 else ''}. Choose a tensor_parallel_size that divides the number of heads,"
+            " the hidden/FFN sizes and the vocabulary (pad the vocabulary to a multiple of it)."
+        )
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor] | None:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return i, a
+    for key in ("hidden_states", "x", "hidden", "input"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return key, kwargs[key]
+    return None
+
+
+def _map_first_input(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        found = _first_tensor(args, kwargs)
+        if found is None:
+            return args, kwargs
+        key, tensor = found
+        if isinstance(key, int):
+            args = (*args[:key], fn(tensor), *args[key + 1 :])
+        else:
+            kwargs = {**kwargs, key: fn(tensor)}
+        return args, kwargs
+
+    return hook
+
+
+def _map_output(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return fn(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (fn(output[0]), *output[1:])
+        return output
+
+    return hook
+
+
+def _sequence_parallel(root: nn.Module, structure: ModelStructure, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
+    """Megatron-SP: activations between tensor-parallel regions are split along the sequence (dim 1).
+
+    Redistribution goes through DTensor so that autograd gets the matching collective (all-gather forward,
+    reduce-scatter backward); only the hook points (first/last block, region inputs given positionally or by keyword,
+    which ``PrepareModuleInput`` cannot express together) are ours.
+    """
+
+    def to_sequence_shard(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[1] % mesh.size():
+            raise HybridConfigError(
+                f"`sequence_parallel=True` splits the sequence (dim 1, length {x.shape[1] if x.dim() > 1 else '?'})"
+                f" over {mesh.size()} tensor-parallel ranks; use a sequence length divisible by it or turn it off."
+            )
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+    def to_replicate(x: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    block_names = structure.block_names()
+    root.get_submodule(block_names[0]).register_forward_pre_hook(_map_first_input(to_sequence_shard), with_kwargs=True)
+    root.get_submodule(block_names[-1]).register_forward_hook(_map_output(to_replicate))
+    for region in plan.sharded_region_modules:
+        root.get_submodule(region).register_forward_pre_hook(_map_first_input(to_replicate), with_kwargs=True)
+    for block_name in block_names:
+        for name, module in root.get_submodule(block_name).named_modules():
+            fqn = f"{block_name}.{name}"
+            if _is_norm(module) and not any(fqn.startswith(r + ".") for r in plan.sharded_region_modules):
+                plan.styles[fqn] = SequenceParallel(use_local_output=True)
+
+
+def apply_tensor_parallel(
+    root: nn.Module, structure: ModelStructure, plan: TensorParallelPlan, mesh: DeviceMesh, *, sequence_parallel: bool
+) -> list[tuple[nn.Parameter, str]]:
+    """Shard ``root`` in place over the tensor-parallel ``mesh``.
+
+    Returns the parameters left as plain (replicated) tensors, each with the reduction that makes its gradient the
+    single-device gradient on every tensor-parallel rank: ``"avg"`` where all ranks computed the full gradient (it
+    only removes drift), ``"sum"`` inside a split region, where each rank saw only its share of the heads.
+
+    Example:
+        >>> # inside HybridStrategy.setup, after the mesh exists:
+        >>> # replicated = apply_tensor_parallel(module, structure, plan, mesh["tensor"], sequence_parallel=False)
+    """
+    tp = mesh.size()
+    validate_tensor_parallel_plan(root, plan, tp)
+    if sequence_parallel:
+        for name, style in list(plan.styles.items()):
+            if type(style) is RowwiseParallel and name != structure.token_embedding_name:
+                plan.styles[name] = RowwiseParallel(output_layouts=Shard(1))
+        _sequence_parallel(root, structure, plan, mesh)
+    parallelize_module(root, mesh, plan.styles)
+    for name in plan.attention_modules:
+        module = root.get_submodule(name)
+        for attr in HEAD_COUNT_ATTRIBUTES:
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, getattr(module, attr) // tp)
+    _retie(root, structure)
+
+    replicated = []
+    for name, param in root.named_parameters():
+        if isinstance(param, DTensor):
+            continue
+        owner = name.rsplit(".", 1)[0]
+        inside = any(owner == r or owner.startswith(r + ".") for r in plan.sharded_region_modules)
+        replicated.append((param, "sum" if inside else "avg"))
+    return replicated
+
+
+def _retie(root: nn.Module, structure: ModelStructure) -> None:
+    """Parallelizing replaces each parameter by a new DTensor parameter, which unties shared weights; tie them again."""
+    for first, second in structure.tied_parameters:
+        keep = root.get_parameter(first)
+        other = root.get_parameter(second)
+        if keep is other:
+            continue
+        placements_a = keep.placements if isinstance(keep, DTensor) else None
+        placements_b = other.placements if isinstance(other, DTensor) else None
+        if placements_a != placements_b:
+            raise HybridConfigError(
+                f"{first!r} and {second!r} are one tied tensor, but the tensor-parallel plan splits them differently"
+                f" ({placements_a} vs {placements_b}). Split both the same way (vocab-parallel embedding with a"
+                " column-wise head), or untie them."
+            )
+        module_name, _, attr = second.rpartition(".")
+        setattr(root.get_submodule(module_name) if module_name else root, attr, keep)

@@ -1,0 +1,118 @@
+"""Shared by the multi-process worker and the single-process reference: the same modules, data, seed and recording.
+
+A scenario is a plain dict: ``{"name", "model", "model_kwargs", "strategy", "steps", "batch_size", "world"}``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+SEED = 1234
+SEQ_LEN = 16
+NUM_SAMPLES = 256
+
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "nanogpt": {"vocab_size": 128, "block_size": SEQ_LEN, "n_layer": 2, "n_head": 4, "n_embd": 32},
+    "llama": {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64},
+}  # fmt: skip
+
+
+def build_module(model: str, **kwargs: Any) -> L.LightningModule:
+    L.seed_everything(SEED, verbose=False)
+    if model == "nanogpt":
+        from examples.nanogpt import NanoGPT
+
+        return NanoGPT(**{**MODEL_DEFAULTS["nanogpt"], **kwargs})
+    if model == "llama":
+        from examples.hf_llama import HFLlama
+
+        return HFLlama(**{**MODEL_DEFAULTS["llama"], **kwargs})
+    raise ValueError(model)
+
+
+def make_dataset() -> TensorDataset:
+    """Real characters of the example corpus, cut into fixed windows (same on every process, no randomness)."""
+    from examples.data import load_corpus
+
+    text = load_corpus(NUM_SAMPLES * (SEQ_LEN + 1) + 1)
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)[: NUM_SAMPLES * (SEQ_LEN + 1)]
+    windows = ids.view(NUM_SAMPLES, SEQ_LEN + 1)
+    return TensorDataset(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+
+
+def reference_loader(dataset: TensorDataset, data_parallel_size: int, batch_size: int) -> DataLoader:
+    """The global batches a data-parallel run sees: step s concatenates every replica's s-th batch, in rank order, as
+    Lightning's DistributedSampler (shuffled, seeded by the global seed) hands them out."""
+    per_rank = []
+    for rank in range(data_parallel_size):
+        sampler = DistributedSampler(dataset, num_replicas=data_parallel_size, rank=rank, shuffle=True, seed=SEED)
+        per_rank.append(list(sampler))
+    steps = len(per_rank[0]) // batch_size
+    batches = [sum((idx[s * batch_size : (s + 1) * batch_size] for idx in per_rank), []) for s in range(steps)]
+    return DataLoader(dataset, batch_sampler=batches)
+
+
+def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone().cpu() for n, p in module.named_parameters()
+    }
+
+
+class Recorder(L.Callback):
+    """Per-step loss (averaged over data-parallel replicas), first-step gradients, and the model-state report."""
+
+    def __init__(self, data_group: Any = None, data_size: int = 1) -> None:
+        self.data_group, self.data_size = data_group, data_size
+        self.losses: list[float] = []
+        self.grads: dict[str, torch.Tensor] = {}
+        self.model_state: list[dict[str, int]] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == 0:
+            strategy = trainer.strategy
+            if hasattr(strategy, "full_gradients"):
+                self.grads = {k: v.detach().clone().cpu() for k, v in strategy.full_gradients().items()}
+            else:
+                self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"].detach().clone().float()
+        if self.data_group is not None and self.data_size > 1:
+            torch.distributed.all_reduce(loss, group=self.data_group)
+            loss /= self.data_size
+        self.losses.append(loss.item())
+        if hasattr(trainer.strategy, "model_state_bytes"):
+            self.model_state.append(dict(trainer.strategy.model_state_bytes))
+
+
+def trainer_kwargs(steps: int) -> dict[str, Any]:
+    return {
+        "max_steps": steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+
+
+def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
+    """Single process, single device: the ground truth for a scenario."""
+    torch.set_num_threads(max(1, int(os.environ.get("REFERENCE_THREADS", "1"))))
+    module = build_module(scenario["model"], **scenario.get("model_kwargs", {}))
+    dp = scenario["data_parallel_size"]
+    loader = reference_loader(make_dataset(), dp, scenario["batch_size"])
+    recorder = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[recorder], **trainer_kwargs(scenario["steps"]))
+    trainer.fit(module, train_dataloaders=loader)
+    return {"losses": recorder.losses, "grads": recorder.grads, "params": full_parameters(module)}

@@ -1,0 +1,101 @@
+"""Runs a list of scenarios in one set of launched processes (``torchrun``), so start-up is paid once.
+
+Usage: python -m torch.distributed.run --nproc_per_node N tests/worker.py SPEC.json OUT_DIR
+Each scenario's results (rank 0) land in OUT_DIR/<name>.pt; an error is recorded instead of stopping the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from lightning_hybrid import HybridStrategy  # noqa: E402
+from tests.harness import Recorder, build_module, full_parameters, make_dataset, trainer_kwargs  # noqa: E402
+
+
+def run(scenario: dict, out_dir: Path) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    module = build_module(scenario["model"], **scenario.get("model_kwargs", {}))
+    strategy = HybridStrategy(**scenario["strategy"])
+    loader = torch.utils.data.DataLoader(make_dataset(), batch_size=scenario["batch_size"], shuffle=True)
+    recorder = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[recorder], **trainer_kwargs(scenario["steps"]))
+    # the recorder averages losses over the data dimension, which exists once the strategy has set up the mesh
+    recorder.data_group = None
+
+    class _Bind(L.Callback):
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+            data = trainer.strategy.device_mesh["data"]
+            recorder.data_group, recorder.data_size = data.get_group(), data.size()
+
+    trainer.callbacks.insert(0, _Bind())
+    trainer.fit(module, train_dataloaders=loader)
+    params = full_parameters(module)
+    result = {
+        "losses": recorder.losses,
+        "grads": recorder.grads,
+        "params": params,
+        "model_state": recorder.model_state,
+        "layout": strategy.layout.as_dict(),
+        "local_numel": _tensor_parallel_local_numel(module),
+        "sampler": _sampler_record(trainer),
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"model_state": recorder.model_state[-1] if recorder.model_state else {},
+                                      "local_numel": result["local_numel"], "sampler": result["sampler"]})
+    result["per_rank"] = gathered
+    if dist.get_rank() == 0:
+        torch.save(result, out_dir / f"{scenario['name']}.pt")
+
+
+def _tensor_parallel_local_numel(module: torch.nn.Module) -> int:
+    """Parameters this rank holds after tensor parallel, before ZeRO (what the ZeRO formula starts from)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in module.parameters():
+        numel = p.numel()
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ()
+            for dim_name, placement in zip(names, p.placements):
+                if dim_name == "tensor" and (placement.is_shard() or type(placement).__name__ == "_StridedShard"):
+                    numel //= p.device_mesh.size(names.index("tensor"))
+        total += numel
+    return total
+
+
+def _sampler_record(trainer: L.Trainer) -> list[int]:
+    sampler = trainer.train_dataloader.sampler
+    return list(iter(sampler))
+
+
+def main() -> None:
+    spec, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    for scenario in spec:
+        try:
+            run(scenario, out_dir)
+        except Exception as error:
+            if scenario.get("expect_error"):
+                # configuration errors must be raised alike on every rank, before any collective: record each rank's
+                rank = int(os.environ["RANK"])
+                (out_dir / f"{scenario['name']}.rank{rank}.expected").write_text(f"{type(error).__name__}: {error}")
+                continue
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                (out_dir / f"{scenario['name']}.error").write_text(traceback.format_exc())
+            else:
+                sys.stderr.write(traceback.format_exc())
+            raise  # a failure may leave ranks out of step: stop the group rather than risk a hang
+
+
+if __name__ == "__main__":
+    main()
