@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Union
 
-__all__ = ["HybridConfigError", "ParallelLayout", "check_sizes"]
+__all__ = ["PIPELINE_SCHEDULES", "HybridConfigError", "ParallelLayout", "check_pipeline", "check_sizes"]
 
 ZeroStage = Literal[0, 1, 2, 3]
 
@@ -50,6 +50,42 @@ def check_sizes(
             "`sequence_parallel=True` needs `tensor_parallel_size` > 1: sequence parallelism splits the"
             " activations between tensor-parallel regions across the tensor-parallel ranks."
         )
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+
+
+def check_pipeline(
+    *, pipeline_parallel_size: int, num_microbatches: Any, pipeline_schedule: Any, virtual_pipeline_size: Any
+) -> None:
+    """Pipeline options that need no model: schedule name, virtual stages, micro-batch count."""
+    if pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise HybridConfigError(
+            f"`pipeline_schedule={pipeline_schedule!r}` is not one of {list(PIPELINE_SCHEDULES)}."
+        )
+    v = _check_positive_int("virtual_pipeline_size", virtual_pipeline_size)
+    multi = pipeline_schedule in ("interleaved_1f1b", "interleaved_zero_bubble")
+    if multi and v < 2:
+        raise HybridConfigError(
+            f"`pipeline_schedule={pipeline_schedule!r}` runs several stages per rank: set `virtual_pipeline_size`"
+            " >= 2 (stages per rank), or use '1f1b'."
+        )
+    if pipeline_schedule == "zbv_zero_bubble" and v != 2:
+        raise HybridConfigError("`pipeline_schedule='zbv_zero_bubble'` places exactly 2 stages per rank (a V): set"
+                                " `virtual_pipeline_size=2`.")
+    if pipeline_schedule in ("gpipe", "1f1b") and v != 1:
+        raise HybridConfigError(
+            f"`virtual_pipeline_size={v}` needs an interleaved schedule: set `pipeline_schedule='interleaved_1f1b'`"
+            " (or 'interleaved_zero_bubble')."
+        )
+    if num_microbatches is not None:
+        m = _check_positive_int("num_microbatches", num_microbatches)
+        if pipeline_parallel_size > 1 and pipeline_schedule != "gpipe" and m < pipeline_parallel_size:
+            raise HybridConfigError(
+                f"`num_microbatches={m}` is smaller than `pipeline_parallel_size={pipeline_parallel_size}`: schedule"
+                f" {pipeline_schedule!r} needs at least one micro-batch per stage in flight. Use num_microbatches >="
+                f" {pipeline_parallel_size} (more micro-batches shrink the pipeline bubble)."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,16 +33,21 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_sizes
+from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pipeline, check_sizes
+from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network, to_plain
 from lightning_hybrid.sharding import (
     GradientSync,
     ShardedOptimizer,
     apply_fully_shard,
-    local_tensor,
+    local_grad,
     measure_model_state_bytes,
 )
 from lightning_hybrid.structure import ModelStructure, find_model_structure
-from lightning_hybrid.tensor_parallel import apply_tensor_parallel, build_tensor_parallel_plan
+from lightning_hybrid.tensor_parallel import (
+    apply_tensor_parallel,
+    build_tensor_parallel_plan,
+    validate_tensor_parallel_plan,
+)
 from lightning_hybrid.topology import build_device_mesh, format_rank_table, gather_rank_devices
 
 if TYPE_CHECKING:
@@ -89,6 +94,11 @@ class HybridStrategy(ParallelStrategy):
         activation_checkpointing: bool = False,
         vocab_parallel_loss: bool = True,
         transformer_blocks: Optional[str] = None,
+        num_microbatches: Optional[int] = None,
+        pipeline_schedule: str = "1f1b",
+        virtual_pipeline_size: int = 1,
+        pipeline_partition: Union[str, list[int]] = "uniform",
+        pipeline_network: Optional[str] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         **kwargs: Any,
@@ -102,11 +112,12 @@ class HybridStrategy(ParallelStrategy):
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
         )
-        if pipeline_parallel_size != 1:
-            raise HybridConfigError(
-                f"`pipeline_parallel_size={pipeline_parallel_size}`: pipeline parallelism is not in this release of"
-                " lightning-hybrid yet. Use `pipeline_parallel_size=1` (tensor and data parallel work)."
-            )
+        check_pipeline(
+            pipeline_parallel_size=pipeline_parallel_size,
+            num_microbatches=num_microbatches,
+            pipeline_schedule=pipeline_schedule,
+            virtual_pipeline_size=virtual_pipeline_size,
+        )
         if not (tensor_parallel_plan == "auto" or isinstance(tensor_parallel_plan, dict)):
             raise HybridConfigError(
                 f"`tensor_parallel_plan` must be 'auto' or a dict {{module-name pattern: style}}, got"
@@ -120,6 +131,13 @@ class HybridStrategy(ParallelStrategy):
             "sequence_parallel": sequence_parallel,
         }
         self._tensor_parallel_plan = tensor_parallel_plan
+        self._pipeline_options = {
+            "num_microbatches": num_microbatches or pipeline_parallel_size,
+            "pipeline_schedule": pipeline_schedule,
+            "virtual_pipeline_size": virtual_pipeline_size,
+            "pipeline_partition": pipeline_partition,
+        }
+        self._pipeline_network = pipeline_network
         self._activation_checkpointing = activation_checkpointing
         self._vocab_parallel_loss = vocab_parallel_loss
         self._transformer_blocks = transformer_blocks
@@ -131,6 +149,8 @@ class HybridStrategy(ParallelStrategy):
         self._vocab_parallel_head: Optional[str] = None
         self._gradient_sync: Optional[GradientSync] = None
         self._sharded_optimizers: list[ShardedOptimizer] = []
+        self._pipeline: Optional[PipelineRunner] = None
+        self._tied_sync: Optional[Callable[[], None]] = None
         self.model_state_bytes: dict[str, int] = {}
         """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
         self.num_nodes = 1
@@ -193,7 +213,8 @@ class HybridStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         # resolve the layout from the world size before the process group exists: a bad layout raises on every rank
-        self._layout = ParallelLayout.resolve(world_size=self.world_size, **self._sizes)
+        pipeline_extras = self._pipeline_options if self._sizes["pipeline_parallel_size"] > 1 else {}
+        self._layout = ParallelLayout.resolve(world_size=self.world_size, **self._sizes, **pipeline_extras)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -222,15 +243,23 @@ class HybridStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _parallelize(self, module: pl.LightningModule) -> None:
+        """Order matters: plan on the whole model (so every rank validates the same thing), cut into stages, then
+        tensor parallel, activation checkpointing, ZeRO-3, each on what this rank holds."""
         layout = self.layout
         mesh = self.device_mesh
         self._structure = structure = find_model_structure(module, self._transformer_blocks)
-        replicated: list[tuple[str, str]] = []
         user_parallelized = any(isinstance(p, DTensor) for p in module.parameters())
+        plan = None
         if layout.tensor_parallel_size > 1 and not user_parallelized:
             plan = build_tensor_parallel_plan(
                 module, structure, self._tensor_parallel_plan, vocab_parallel_loss=self._vocab_parallel_loss
             )
+            validate_tensor_parallel_plan(module, plan, layout.tensor_parallel_size)
+        split = self._cut_pipeline(module, structure) if layout.pipeline_parallel_size > 1 else None
+        replicated: list[tuple[str, str]] = []
+        if plan is not None:
+            if split is not None:
+                plan.restrict_to(module)
             pairs = apply_tensor_parallel(
                 module, structure, plan, mesh["tensor"], sequence_parallel=layout.sequence_parallel
             )
@@ -240,17 +269,109 @@ class HybridStrategy(ParallelStrategy):
             rank_zero_info("lightning-hybrid tensor-parallel plan:\n" + plan.describe())
         elif user_parallelized and layout.tensor_parallel_size > 1:
             replicated = [(n, "avg") for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+        held_blocks = [n for n in structure.block_names() if not _is_stub(module.get_submodule(n))]
         if self._activation_checkpointing:
             from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing
 
-            apply_activation_checkpointing(module, structure.block_names())
+            apply_activation_checkpointing(module, held_blocks)
+        dp_replicated: list[str] = []
         if layout.zero_stage == 3:
-            roots = [structure.network_name] if structure.network_name else [""]
-            roots += [n for n, child in module.named_children() if n != structure.network_name and any(True for _ in child.parameters())]
-            dp_replicated = apply_fully_shard(module, structure.block_names(), roots, mesh["data"])
-        else:
-            dp_replicated = []
+            if split is None:
+                roots = [structure.network_name] if structure.network_name else [""]
+                roots += [n for n, c in module.named_children() if n != structure.network_name and _has_params(c)]
+            else:
+                roots = []  # each pipeline stage module becomes the FSDP2 root of its own parameters (below)
+            dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"])
+        if split is not None:
+            self._pipeline = self._build_runner(module, structure, split)
+            self._tied_sync = self._tied_gradient_sync(module, structure, split)
         self._gradient_sync = GradientSync(module, replicated, mesh["tensor"], dp_replicated, mesh["data"])
+
+    def _cut_pipeline(self, module: pl.LightningModule, structure: ModelStructure) -> Any:
+        layout, options = self.layout, self._pipeline_options
+        blocks = module.get_submodule(structure.blocks_name)
+        network_name = self._pipeline_network if self._pipeline_network is not None else structure.network_name
+        network = module.get_submodule(network_name) if network_name else module
+        prefix = f"{network_name}." if network_name else ""
+        if not structure.blocks_name.startswith(prefix):
+            raise HybridConfigError(
+                f"`pipeline_network={network_name!r}` does not contain the block list {structure.blocks_name!r}."
+            )
+        blocks_rel = structure.blocks_name[len(prefix) :]
+        costs = [float(_num_params(b)) for b in blocks]
+        head = module.get_submodule(structure.output_head_name) if structure.output_head_name else None
+        embedding = module.get_submodule(structure.token_embedding_name) if structure.token_embedding_name else None
+        stage_plan = partition_blocks(
+            len(blocks),
+            layout.pipeline_parallel_size,
+            options["virtual_pipeline_size"],
+            options["pipeline_partition"],
+            block_costs=costs,
+            first_cost=float(_num_params(embedding)) if embedding is not None else 0.0,
+            last_cost=float(_num_params(head)) if head is not None else 0.0,
+            owner_style="v" if options["pipeline_schedule"] == "zbv_zero_bubble" else "loop",
+        )
+        rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table())
+        pipeline_rank = self.device_mesh["pipeline"].get_local_rank()
+        self._pipeline_network_module = network
+        return split_network(network, blocks_rel, stage_plan, pipeline_rank)
+
+    def _build_runner(self, module: pl.LightningModule, structure: ModelStructure, split: Any) -> PipelineRunner:
+        layout = self.layout
+        tp = layout.tensor_parallel_size
+
+        def activation_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+            # with sequence parallel, what crosses stages is this rank's slice of the sequence
+            return (shape[0], shape[1] // tp, *shape[2:]) if layout.sequence_parallel else shape
+
+        def wrap_stage(stage: StageModule) -> StageModule:
+            if layout.zero_stage == 3:
+                from torch.distributed.fsdp import fully_shard
+
+                # the stage module is the FSDP2 root: torch's PipelineStage then accumulates unsharded gradients
+                # over micro-batches and reduce-scatters once per step
+                fully_shard(stage, mesh=self.device_mesh["data"])
+            return stage
+
+        return PipelineRunner(
+            module,
+            self._pipeline_network_module,
+            split,
+            self.device_mesh["pipeline"],
+            self.root_device,
+            schedule=self._pipeline_options["pipeline_schedule"],
+            num_microbatches=self._pipeline_options["num_microbatches"],
+            activation_shape=activation_shape,
+            wrap_stage=wrap_stage,
+        )
+
+    def _tied_gradient_sync(self, module: pl.LightningModule, structure: ModelStructure, split: Any) -> Optional[Callable[[], None]]:
+        """Weights tied across the first and last stage (input embedding = output head) live on two ranks: sum their
+        gradients between those two ranks every step so both copies take the same update (Megatron's embedding
+        group). Groups are created on every rank, in the same order, as ``new_group`` requires."""
+        first_owner, last_owner = split.plan.owner[0], split.plan.owner[-1]
+        if not structure.tied_parameters or first_owner == last_owner:
+            return None
+        mesh = self.device_mesh
+        my_group = None
+        for d in range(self.layout.data_parallel_size):
+            for t in range(self.layout.tensor_parallel_size):
+                ranks = [int(mesh.mesh[first_owner, d, t]), int(mesh.mesh[last_owner, d, t])]
+                group = torch.distributed.new_group(ranks)
+                if self.global_rank in ranks:
+                    my_group = group
+        names = {n for pair in structure.tied_parameters for n in pair}
+        params = [p for n, p in module.named_parameters(remove_duplicate=False) if n in names]
+        if not params or my_group is None:
+            return None
+
+        def sync() -> None:
+            for p in params:
+                grad = local_grad(p)
+                if grad is not None:
+                    torch.distributed.all_reduce(grad, group=my_group)
+
+        return sync
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -279,8 +400,10 @@ class HybridStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         with self.precision_plugin.train_step_context() if name == "training_step" else nullcontext(), self._loss_context():
             with _plain_logging(self.lightning_module, self.device_mesh["data"]):
+                if self._pipeline is not None:
+                    return self._pipeline.run(name, *args, *kwargs.values())
                 output = getattr(self.lightning_module, name)(*args, **kwargs)
-        return apply_to_collection(output, DTensor, _to_plain)
+        return apply_to_collection(output, DTensor, to_plain)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -300,6 +423,15 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            # the schedule ran forward and backward inside training_step; keep Lightning's hooks, skip autograd
+            module = self.lightning_module
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self._pipeline.restore_gradients()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+            self.post_backward(closure_loss)
+            return closure_loss
         # the vocab-parallel cross-entropy's backward must run under the same loss_parallel context as its forward
         with self._loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -330,6 +462,8 @@ class HybridStrategy(ParallelStrategy):
 
         Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself).
         """
+        if self._tied_sync is not None:
+            self._tied_sync()
         if self._gradient_sync is not None:
             self._gradient_sync()
         if sharded is not None:
@@ -392,11 +526,18 @@ class HybridStrategy(ParallelStrategy):
         strategy_registry.register(cls.strategy_name, cls, description="3D parallel: tensor x pipeline x data (ZeRO)")
 
 
-def _to_plain(t: DTensor) -> Tensor:
-    # a replicated DTensor's local tensor is the full value; anything sharded or partial is gathered
-    if all(p.is_replicate() for p in t.placements):
-        return t.to_local()
-    return t.full_tensor()
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _is_stub(module: nn.Module) -> bool:
+    from lightning_hybrid.pipeline.stage import SkippedBlock
+
+    return isinstance(module, SkippedBlock)
 
 
 @contextmanager
@@ -407,7 +548,7 @@ def _plain_logging(module: pl.LightningModule, data_mesh: DeviceMesh) -> Generat
 
     @functools.wraps(original)
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        value = apply_to_collection(value, DTensor, _to_plain)
+        value = apply_to_collection(value, DTensor, to_plain)
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
             kwargs["sync_dist_group"] = data_mesh.get_group()
         return original(name, value, *args, **kwargs)

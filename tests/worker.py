@@ -39,7 +39,11 @@ def run(scenario: dict, out_dir: Path) -> None:
 
     trainer.callbacks.insert(0, _Bind())
     trainer.fit(module, train_dataloaders=loader)
-    params = full_parameters(module)
+    # under pipeline parallel each rank holds its stages' parameters only: merge every rank's view
+    views: list = [None] * world
+    dist.all_gather_object(views, (full_parameters(module), recorder.grads))
+    params = {k: v for view, _ in views for k, v in view.items()}
+    recorder.grads = {k: v for _, grads in views for k, v in grads.items()}
     result = {
         "losses": recorder.losses,
         "grads": recorder.grads,

@@ -3,13 +3,14 @@ parameters need their gradients made consistent across the tensor-parallel group
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from lightning_hybrid._hooks import map_first_input, map_output
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.structure import ModelStructure
 from lightning_hybrid.tensor_parallel.plan import HEAD_COUNT_ATTRIBUTES, FusedColwiseParallel, TensorParallelPlan
@@ -62,42 +63,6 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
         )
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor] | None:
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return i, a
-    for key in ("hidden_states", "x", "hidden", "input"):
-        if isinstance(kwargs.get(key), torch.Tensor):
-            return key, kwargs[key]
-    return None
-
-
-def _map_first_input(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        found = _first_tensor(args, kwargs)
-        if found is None:
-            return args, kwargs
-        key, tensor = found
-        if isinstance(key, int):
-            args = (*args[:key], fn(tensor), *args[key + 1 :])
-        else:
-            kwargs = {**kwargs, key: fn(tensor)}
-        return args, kwargs
-
-    return hook
-
-
-def _map_output(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        if isinstance(output, torch.Tensor):
-            return fn(output)
-        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (fn(output[0]), *output[1:])
-        return output
-
-    return hook
-
-
 def _sequence_parallel(root: nn.Module, structure: ModelStructure, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
     """Megatron-SP: activations between tensor-parallel regions are split along the sequence (dim 1).
 
@@ -118,10 +83,10 @@ def _sequence_parallel(root: nn.Module, structure: ModelStructure, plan: TensorP
         return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
     block_names = structure.block_names()
-    root.get_submodule(block_names[0]).register_forward_pre_hook(_map_first_input(to_sequence_shard), with_kwargs=True)
-    root.get_submodule(block_names[-1]).register_forward_hook(_map_output(to_replicate))
+    root.get_submodule(block_names[0]).register_forward_pre_hook(map_first_input(to_sequence_shard), with_kwargs=True)
+    root.get_submodule(block_names[-1]).register_forward_hook(map_output(to_replicate))
     for region in plan.sharded_region_modules:
-        root.get_submodule(region).register_forward_pre_hook(_map_first_input(to_replicate), with_kwargs=True)
+        root.get_submodule(region).register_forward_pre_hook(map_first_input(to_replicate), with_kwargs=True)
     for block_name in block_names:
         for name, module in root.get_submodule(block_name).named_modules():
             fqn = f"{block_name}.{name}"
@@ -170,8 +135,10 @@ def apply_tensor_parallel(
 def _retie(root: nn.Module, structure: ModelStructure) -> None:
     """Parallelizing replaces each parameter by a new DTensor parameter, which unties shared weights; tie them again."""
     for first, second in structure.tied_parameters:
-        keep = root.get_parameter(first)
-        other = root.get_parameter(second)
+        try:
+            keep, other = root.get_parameter(first), root.get_parameter(second)
+        except AttributeError:
+            continue  # the two sides are on different pipeline stages; their gradients are summed across stages
         if keep is other:
             continue
         placements_a = keep.placements if isinstance(keep, DTensor) else None

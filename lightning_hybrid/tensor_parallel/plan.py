@@ -75,6 +75,22 @@ class TensorParallelPlan:
         self.sharded_region_modules: set[str] = set()
         self.vocab_parallel_head: Optional[str] = None
 
+    def restrict_to(self, root: nn.Module) -> None:
+        """Keep only modules this rank still holds (pipeline stages replace the others by parameter-less stubs)."""
+
+        def held(name: str) -> bool:
+            try:
+                return any(True for _ in root.get_submodule(name).parameters())
+            except AttributeError:
+                return False
+
+        self.styles = {n: s for n, s in self.styles.items() if held(n)}
+        self.attention_modules = {n for n in self.attention_modules if held(n)}
+        self.sharded_region_modules = {n for n in self.sharded_region_modules if held(n)}
+        if self.vocab_parallel_head is not None and not held(self.vocab_parallel_head):
+            # the head is on another stage; the loss still runs there under loss_parallel, not here
+            pass
+
     def describe(self) -> str:
         lines = [f"  {name}: {type(style).__name__}" for name, style in self.styles.items()]
         return "\n".join(lines)

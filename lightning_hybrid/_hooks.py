@@ -1,0 +1,63 @@
+"""Forward hooks that rewrite a block's hidden-state input or output, whether it comes positionally or by keyword.
+
+Shared by sequence parallel (re-layout at region borders) and the pipeline (substitute the received activation,
+stop after a stage's last block): torch's ``PrepareModuleInput`` needs to know in advance which of the two it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+HIDDEN_KWARGS = ("hidden_states", "x", "hidden", "input", "inputs_embeds")
+
+
+def first_tensor(args: tuple, kwargs: dict) -> Optional[tuple[Union[str, int], torch.Tensor]]:
+    """Where the hidden state is: the first positional tensor, else a conventionally named keyword."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return i, a
+    for key in HIDDEN_KWARGS:
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return key, kwargs[key]
+    return None
+
+
+def map_first_input(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A ``register_forward_pre_hook(..., with_kwargs=True)`` hook applying ``fn`` to the hidden-state input."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        found = first_tensor(args, kwargs)
+        if found is None:
+            return args, kwargs
+        key, tensor = found
+        if isinstance(key, int):
+            args = (*args[:key], fn(tensor), *args[key + 1 :])
+        else:
+            kwargs = {**kwargs, key: fn(tensor)}
+        return args, kwargs
+
+    return hook
+
+
+def first_output(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def map_output(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A ``register_forward_hook`` hook applying ``fn`` to the hidden-state output (a tensor or a tuple's first)."""
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return fn(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (fn(output[0]), *output[1:])
+        return output
+
+    return hook

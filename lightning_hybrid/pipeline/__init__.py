@@ -1,0 +1,20 @@
+"""Pipeline parallel: partitioning blocks into stages, cutting the network without rewriting it, and running a
+LightningModule's steps through torch's ``pipelining`` schedules."""
+
+from lightning_hybrid.pipeline.microbatch import merge_microbatches, split_batch
+from lightning_hybrid.pipeline.partition import StagePlan, partition_blocks
+from lightning_hybrid.pipeline.runner import SCHEDULES, PipelineRunner, to_plain
+from lightning_hybrid.pipeline.stage import NetworkSplit, StageModule, split_network
+
+__all__ = [
+    "SCHEDULES",
+    "NetworkSplit",
+    "PipelineRunner",
+    "StageModule",
+    "StagePlan",
+    "merge_microbatches",
+    "partition_blocks",
+    "split_batch",
+    "split_network",
+    "to_plain",
+]

@@ -1,0 +1,327 @@
+"""Running a LightningModule's step through a pipeline schedule.
+
+One step: split the batch into micro-batches; on every rank, run the user's step until it calls the network, to learn
+the network's inputs per micro-batch (cheap: nothing is computed); run torch's schedule over this rank's stages; on
+the last stage, each micro-batch runs the rest of the user's step (loss, ``self.log``) on the stage's output; the
+step's loss and logged values are then sent to every stage, so Lightning, callbacks and loggers see the real values
+on every rank and nothing waits for a rank that never logs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Generator, Optional
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
+from lightning_hybrid.pipeline.stage import NetworkSplit, StageModule
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["SCHEDULES", "PipelineRunner", "to_plain"]
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
+}
+MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"}
+
+
+def to_plain(t: DTensor) -> Tensor:
+    """A DTensor as a plain tensor: a replicated one's local value is the full value; others are gathered."""
+    if all(p.is_replicate() for p in t.placements):
+        return t.to_local()
+    return t.full_tensor()
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.args, self.kwargs = args, kwargs
+
+
+@dataclass
+class _Step:
+    mode: str
+    microbatches: list[Any]
+    extra: tuple
+    captured: list[tuple[tuple, dict]]
+    counters: dict[int, int] = field(default_factory=dict)
+    losses: list[Tensor] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    records: list[list[tuple[str, Any, tuple, dict]]] = field(default_factory=list)
+
+
+@dataclass
+class StepTimes:
+    """Per-step timings of this rank, for the bubble fraction: compute is time inside stage forward/backward."""
+
+    step: float = 0.0
+    compute: float = 0.0
+    events: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+    """(kind F/B, stage, micro-batch, start, end) relative to the step start."""
+
+
+class PipelineRunner:
+    """Runs training/validation/test/predict steps of ``module`` through the pipeline schedule on this rank."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        network: nn.Module,
+        split: NetworkSplit,
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        *,
+        schedule: str,
+        num_microbatches: int,
+        activation_shape: Callable[[tuple[int, ...]], tuple[int, ...]],
+        wrap_stage: Callable[[StageModule], StageModule] = lambda m: m,
+    ) -> None:
+        self.module, self.network, self.split = module, network, split
+        self.pp_mesh, self.device = pp_mesh, device
+        self.schedule_name, self.num_microbatches = schedule, num_microbatches
+        self.activation_shape = activation_shape
+        self._network_forward = network.forward
+        self.stages = {s: wrap_stage(StageModule(s, split.stage_modules(s), self._run_stage)) for s in split.local_stages()}
+        self.last_stage = split.num_stages - 1
+        self._cache: dict[tuple, Any] = {}
+        self._step: Optional[_Step] = None
+        self._stashed: list[tuple[nn.Parameter, Tensor]] = []
+        self.times = StepTimes()
+        last_rank = split.plan.owner[self.last_stage]
+        self._last_global_rank = dist.get_global_rank(pp_mesh.get_group(), last_rank)
+
+    # ------------------------------------------------------------------ public
+    def run(self, mode: str, batch: Any, *extra: Any) -> Any:
+        """Run ``mode`` (``"training_step"``, ``"validation_step"``, ...) for one batch on this rank's stages."""
+        training = mode == "training_step"
+        size = batch_size_of(batch)
+        m = self.num_microbatches if training else _largest_divisor(size or 1, self.num_microbatches)
+        microbatches = split_batch(batch, m)
+        captured = [self._capture(mode, mb, extra) for mb in microbatches]
+        step = _Step(mode, microbatches, extra, captured, {s: 0 for s in self.stages})
+        step.records = [[] for _ in range(m)]
+        schedule = self._schedule(training, m, captured[0])
+        self._step, self.times = step, StepTimes()
+        ids = torch.arange(m, device=self.device)
+        args = (ids,) if 0 in self.stages else ()
+        kwargs: dict[str, Any] = {"target": ids, "losses": []} if self.last_stage in self.stages else {}
+        start = time.perf_counter()
+        try:
+            if training:
+                schedule.step(*args, **kwargs)
+            else:
+                with torch.no_grad():
+                    schedule.step(*args, **kwargs)
+        finally:
+            self._step = None
+        self.times.step = time.perf_counter() - start
+        if training:
+            self._stash_gradients()
+        return self._share_results(step, training)
+
+    def restore_gradients(self) -> None:
+        """Give back the gradients the schedule produced (see ``_stash_gradients``), adding to any already there."""
+        for p, g in self._stashed:
+            p.grad = g if p.grad is None else p.grad + g
+        self._stashed = []
+
+    # ------------------------------------------------------------------ capture and stage execution
+    @contextmanager
+    def _network_replaced(self, fn: Callable) -> Generator[None, None, None]:
+        self.network.forward = fn  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del self.network.forward
+
+    @contextmanager
+    def _log_to(self, sink: Optional[list]) -> Generator[None, None, None]:
+        outer = self.module.log
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if sink is not None:
+                value = apply_to_collection(value, DTensor, to_plain)
+                value = apply_to_collection(value, Tensor, lambda t: t.detach().clone())
+                sink.append((name, value, args, kwargs))
+
+        self.module.log = log  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            self.module.log = outer  # type: ignore[method-assign]
+
+    def _capture(self, mode: str, microbatch: Any, extra: tuple) -> tuple[tuple, dict]:
+        def grab(*args: Any, **kwargs: Any) -> None:
+            raise _Captured(args, kwargs)
+
+        with self._network_replaced(grab), self._log_to(None):
+            try:
+                getattr(self.module, mode)(microbatch, *extra)
+            except _Captured as c:
+                return c.args, c.kwargs
+        raise HybridConfigError(
+            f"Under pipeline parallel, `{mode}` must call the network ({type(self.network).__name__}) once; it did"
+            " not. If another module is the network, pass `HybridStrategy(pipeline_network='<its name>')`; if"
+            " the step calls no network at all, it cannot be pipelined."
+        )
+
+    def _run_stage(self, stage: int, x: Tensor) -> Any:
+        step = self._step
+        assert step is not None, "a pipeline stage ran outside a step"
+        mb = step.counters[stage]
+        step.counters[stage] += 1
+        received = None if stage == 0 else x
+        begin = time.perf_counter()
+        try:
+            if stage != self.last_stage:
+                args, kwargs = step.captured[mb]
+                return self._partial_forward(stage, received, args, kwargs)
+
+            def network_call(*args: Any, **kwargs: Any) -> Any:
+                return self._partial_forward(stage, received, args, kwargs)
+
+            with self._network_replaced(network_call), self._log_to(step.records[mb]):
+                out = getattr(self.module, step.mode)(step.microbatches[mb], *step.extra)
+            out = apply_to_collection(out, DTensor, to_plain)
+            if step.mode != "training_step":
+                step.outputs.append(apply_to_collection(out, Tensor, lambda t: t.detach()))
+                return torch.zeros(1, device=self.device)
+            loss = out if isinstance(out, Tensor) else out["loss"]
+            step.losses.append(loss.detach())
+            # the micro-batch mean gives the full batch's mean-loss gradient, as on one device
+            # shape [1], not a scalar: schedules concatenate last-stage outputs across micro-batches
+            return (loss / len(step.microbatches)).reshape(1)
+        finally:
+            self.times.compute += time.perf_counter() - begin
+
+    def _partial_forward(self, stage: int, received: Optional[Tensor], args: tuple, kwargs: dict) -> Any:
+        from lightning_hybrid.pipeline.stage import StageBoundary
+
+        with self.split.active(stage, received):
+            try:
+                return self._network_forward(*args, **kwargs)
+            except StageBoundary as boundary:
+                return boundary.output
+
+    # ------------------------------------------------------------------ schedules
+    def _activation_meta(self, captured: tuple[tuple, dict]) -> Tensor:
+        """The tensor that flows between stages, from a forward that stops at the block list's entrance (stubs
+        make it cheap off the first stage); blocks map a hidden state to one of the same shape."""
+        seen: list[Tensor] = []
+
+        def probe(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            from lightning_hybrid._hooks import first_tensor
+
+            found = first_tensor(args, kwargs)
+            seen.append(found[1] if found else None)
+            raise _Captured((), {})
+
+        handle = self.split.blocks[0].register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
+        stage = min(self.stages)
+        try:
+            # off the first stage the input modules are already stubs (split_network): nothing to switch
+            with torch.no_grad(), self.split.active(stage, None) if stage == 0 else nullcontext():
+                try:
+                    self._network_forward(*captured[0], **captured[1])
+                except _Captured:
+                    pass
+        finally:
+            handle.remove()
+        if not seen or seen[0] is None:
+            raise HybridConfigError("Could not find the hidden state entering the block list for pipeline parallel.")
+        hidden = seen[0]
+        return torch.zeros(self.activation_shape(tuple(hidden.shape)), dtype=hidden.dtype, device=self.device)
+
+    def _schedule(self, training: bool, m: int, captured: tuple[tuple, dict]) -> Any:
+        hidden = self._activation_meta(captured)
+        key = (training, m, tuple(hidden.shape), hidden.dtype)
+        if key in self._cache:
+            return self._cache[key]
+        from torch.distributed import pipelining
+
+        group = self.pp_mesh.get_group()
+        stages = []
+        for s, module in sorted(self.stages.items()):
+            # example tensors' requires_grad tells the stage which gradients cross stage borders
+            example = hidden.detach().clone().requires_grad_(training)
+            inputs = torch.zeros(1, dtype=torch.long, device=self.device) if s == 0 else example
+            outputs = example if s != self.last_stage else torch.zeros(1, device=self.device).requires_grad_(training)
+            stages.append(
+                pipelining.PipelineStage(
+                    module, s, self.split.num_stages, self.device, input_args=inputs, output_args=outputs, group=group
+                )
+            )
+        cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+        loss_fn = (lambda output, target: output.sum()) if training else None
+        if self.schedule_name in MULTI_STAGE:
+            schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
+        else:
+            schedule = cls(stages[0], m, loss_fn=loss_fn, scale_grads=False)
+        self._cache[key] = schedule
+        return schedule
+
+    # ------------------------------------------------------------------ results
+    def _stash_gradients(self) -> None:
+        """Lightning's loop calls ``zero_grad`` between ``training_step`` and ``backward``; the schedule already ran
+        the backward inside the step, so its gradients are held aside until ``backward`` gives them back."""
+        self._stashed = [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
+        for p, _ in self._stashed:
+            p.grad = None
+
+    def _share_results(self, step: _Step, training: bool) -> Any:
+        payload: list[Any] = [None]
+        if self.last_stage in self.stages:
+            payload[0] = {
+                "loss": torch.stack(step.losses).mean().item() if training else None,
+                "records": _merge_records(step.records),
+                "outputs": None if training else _to_cpu(merge_microbatches(step.outputs)) if step.outputs else None,
+            }
+        dist.broadcast_object_list(payload, src=self._last_global_rank, group=self.pp_mesh.get_group())
+        result = payload[0]
+        for name, value, args, kwargs in result["records"]:
+            self.module.log(name, value, *args, **kwargs)
+        if training:
+            return torch.tensor(result["loss"], device=self.device)
+        outputs = result["outputs"]
+        return apply_to_collection(outputs, Tensor, lambda t: t.to(self.device)) if outputs is not None else None
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def _to_cpu(obj: Any) -> Any:
+    return apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())
+
+
+def _merge_records(per_microbatch: list[list[tuple[str, Any, tuple, dict]]]) -> list[tuple[str, Any, tuple, dict]]:
+    """One record per logged name: the mean over micro-batches (as a single-device step over the whole batch would
+    give for a mean-reduced quantity), in first-logged order."""
+    merged: dict[str, tuple[list[Any], tuple, dict]] = {}
+    for records in per_microbatch:
+        for name, value, args, kwargs in records:
+            merged.setdefault(name, ([], args, kwargs))[0].append(value)
+    out = []
+    for name, (values, args, kwargs) in merged.items():
+        if all(isinstance(v, (Tensor, float, int)) and not isinstance(v, bool) for v in values):
+            value: Any = float(sum(float(v) for v in values) / len(values))
+            if not math.isfinite(value):
+                value = float("nan") if math.isnan(value) else value
+        else:
+            value = values[-1]
+        out.append((name, _to_cpu(value), args, kwargs))
+    return out

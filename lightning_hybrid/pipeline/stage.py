@@ -1,0 +1,215 @@
+"""Cutting a network into pipeline stages without rewriting its ``forward``.
+
+A stage runs the network's own ``forward`` with three changes made through module swaps and hooks:
+
+* blocks held by other stages are replaced by a pass-through (:class:`SkippedBlock`), so the block loop is unchanged;
+* on a stage that is not the first, the input modules (embeddings) are replaced by stubs that only produce a tensor
+  of the right shape, and the first block of the stage receives the activation sent by the previous stage instead;
+* on a stage that is not the last, the forward stops right after the stage's last block (:class:`StageBoundary`).
+
+This is what lets a single-device ``training_step`` train under pipeline parallel unchanged, and what torch's
+``pipelining`` does not do for us: its ``pipeline()`` tracer needs a traceable model, its manual mode a model whose
+forward tolerates missing modules (torchtitan writes its models that way).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Optional
+
+import torch
+from torch import nn
+
+from lightning_hybrid._hooks import first_tensor, map_first_input
+from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.pipeline.partition import StagePlan
+
+__all__ = ["NetworkSplit", "SkippedBlock", "StageBoundary", "StageModule"]
+
+
+class StageBoundary(Exception):
+    """Raised after a stage's last block to end the network's forward early; carries the block's output."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        self.output = output
+
+
+class SkippedBlock(nn.Module):
+    """A block that another stage holds: returns its hidden-state input unchanged (no parameters, no compute)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        found = first_tensor(args, kwargs)
+        if found is None:
+            raise HybridConfigError("A skipped pipeline block found no hidden-state tensor among its inputs.")
+        return found[1]
+
+
+class InputStub(nn.Module):
+    """Stands in for an input module held by the first stage: returns zeros shaped like that module's output, so the
+    network's forward runs on until the stage's first block, where the received activation replaces them."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.dtype = next(module.parameters()).dtype
+        # keep only sizes, not the module: the point is to free its parameters on this stage
+        if isinstance(module, nn.Embedding):
+            self.kind, self.size = "append", module.embedding_dim
+        elif isinstance(module, nn.Linear):
+            self.kind, self.size = "replace_last", module.out_features
+        else:
+            self.kind, self.size = "same", 0
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        shape = {"append": (*x.shape, self.size), "replace_last": (*x.shape[:-1], self.size)}.get(self.kind, x.shape)
+        return torch.zeros(shape, dtype=self.dtype, device=x.device)
+
+
+class OutputStub(nn.Module):
+    """Stands in for an output module (norm, head) held by the last stage; never reached, since earlier stages stop
+    at their last block."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("lightning-hybrid: an output module ran on a pipeline stage that does not hold it.")
+
+
+@dataclass
+class _Slot:
+    parent: nn.Module
+    attr: str
+    module: nn.Module
+
+
+@dataclass
+class NetworkSplit:
+    """This rank's share of the network: real blocks for its stages, stubs elsewhere."""
+
+    network: nn.Module
+    blocks: nn.ModuleList
+    plan: StagePlan
+    pipeline_rank: int
+    input_slots: list[_Slot] = field(default_factory=list)
+    output_slots: list[_Slot] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.plan.counts)
+
+    def local_stages(self) -> list[int]:
+        return self.plan.stages_of(self.pipeline_rank)
+
+    def stage_modules(self, stage: int) -> list[nn.Module]:
+        """The modules whose parameters belong to ``stage`` (for its optimizer-facing ``StageModule``)."""
+        modules: list[nn.Module] = [self.blocks[i] for i in self.plan.blocks(stage)]
+        if stage == 0:
+            modules += [s.module for s in self.input_slots]
+        if stage == self.num_stages - 1:
+            modules += [s.module for s in self.output_slots]
+        return modules
+
+    @contextmanager
+    def active(self, stage: int, received: Optional[torch.Tensor]) -> Generator[None, None, None]:
+        """While the network's forward runs for ``stage``: only its blocks compute; a non-first stage takes
+        ``received`` as the first block's hidden state; a non-last stage stops after its last block."""
+        own = self.plan.blocks(stage)
+        with ExitStack() as stack:
+            for s in self.local_stages():
+                if s == stage:
+                    continue
+                for i in self.plan.blocks(s):  # other chunks on this rank (interleaved) pass through for now
+                    stack.enter_context(_swap(self.blocks, str(i), SkippedBlock()))
+            if stage != 0:
+                for slot in self.input_slots:  # the first stage lives on this rank too (v-shaped schedules)
+                    stack.enter_context(_swap(slot.parent, slot.attr, InputStub(slot.module)))
+                first = self.blocks[own.start]
+                handle = first.register_forward_pre_hook(map_first_input(lambda _: received), with_kwargs=True)
+                stack.callback(handle.remove)
+            if stage != self.num_stages - 1:
+                handle = self.blocks[own.stop - 1].register_forward_hook(_raise_boundary)
+                stack.callback(handle.remove)
+            yield
+
+
+def _raise_boundary(module: nn.Module, args: Any, output: Any) -> None:
+    tensor = output if isinstance(output, torch.Tensor) else output[0]
+    raise StageBoundary(tensor)
+
+
+@contextmanager
+def _swap(parent: nn.Module, attr: str, replacement: nn.Module) -> Generator[None, None, None]:
+    original = parent._modules[attr]
+    parent._modules[attr] = replacement
+    try:
+        yield
+    finally:
+        parent._modules[attr] = original
+
+
+def _slots(network: nn.Module, blocks_rel: str) -> tuple[list[_Slot], list[_Slot]]:
+    """Modules with parameters outside the blocks, before (inputs) and after (outputs) them in registration order."""
+    inputs: list[_Slot] = []
+    outputs: list[_Slot] = []
+    seen_blocks = False
+    for name, module in network.named_modules():
+        if name == blocks_rel:
+            seen_blocks = True
+            continue
+        if not name or name.startswith(blocks_rel + ".") or blocks_rel.startswith(name + "."):
+            continue
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = network.get_submodule(parent_name) if parent_name else network
+        # a parent already taken as a slot covers this module
+        if any(name.startswith(_qualname(network, s) + ".") for s in inputs + outputs):
+            continue
+        (outputs if seen_blocks else inputs).append(_Slot(parent, attr, module))
+    return inputs, outputs
+
+
+def _qualname(network: nn.Module, slot: _Slot) -> str:
+    for name, module in network.named_modules():
+        if module is slot.module:
+            return name
+    return ""
+
+
+def split_network(network: nn.Module, blocks_rel: str, plan: StagePlan, pipeline_rank: int) -> NetworkSplit:
+    """Replace, in place, every block, input and output module this rank does not hold by a stub.
+
+    Example:
+        >>> # split = split_network(gpt, "h", partition_blocks(4, 2), pipeline_rank=1)  # keeps h.2, h.3, ln_f, lm_head
+    """
+    blocks = network.get_submodule(blocks_rel)
+    assert isinstance(blocks, (nn.ModuleList, nn.Sequential))
+    inputs, outputs = _slots(network, blocks_rel)
+    split = NetworkSplit(network, blocks, plan, pipeline_rank, inputs, outputs)
+    mine = split.local_stages()
+    held = {i for s in mine for i in plan.blocks(s)}
+    for i in range(len(blocks)):
+        if i not in held:
+            blocks._modules[str(i)] = SkippedBlock()
+    if 0 not in mine:
+        for slot in inputs:
+            setattr(slot.parent, slot.attr, InputStub(slot.module))
+        split.input_slots = []
+    if split.num_stages - 1 not in mine:
+        for slot in outputs:
+            setattr(slot.parent, slot.attr, OutputStub())
+        split.output_slots = []
+    return split
+
+
+class StageModule(nn.Module):
+    """What ``torch.distributed.pipelining.PipelineStage`` runs for one stage: its ``parameters()`` are exactly the
+    stage's own (zero-bubble schedules split weight and input gradients by them), and its ``forward`` hands the
+    micro-batch to the runner, which runs the network's forward restricted to this stage."""
+
+    def __init__(self, stage: int, parts: list[nn.Module], run: Callable[[int, torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.stage = stage
+        self.parts = nn.ModuleList(parts)
+        self._run = run
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self._run(self.stage, x)
