@@ -119,6 +119,7 @@ class PipelineRunner:
         ids = torch.arange(m, device=self.device)
         args = (ids,) if 0 in self.stages else ()
         kwargs: dict[str, Any] = {"target": ids, "losses": []} if self.last_stage in self.stages else {}
+        previous = self._take_gradients() if training else []
         start = time.perf_counter()
         try:
             if training:
@@ -130,7 +131,9 @@ class PipelineRunner:
             self._step = None
         self.times.step = time.perf_counter() - start
         if training:
-            self._stash_gradients()
+            self._stashed = self._take_gradients()
+            for p, g in previous:  # back in place, for Lightning's zero_grad to clear or gradient accumulation to keep
+                p.grad = g
         return self._share_results(step, training)
 
     def restore_gradients(self) -> None:
@@ -232,6 +235,10 @@ class PipelineRunner:
 
         handle = self.split.blocks[0].register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
         stage = min(self.stages)
+        # the probe calls the network directly, not through the stage module: gather ZeRO-3 input modules by hand
+        fsdp = [m for m in self.stages.values() if hasattr(m, "unshard") and hasattr(m, "reshard")]
+        for m in fsdp:
+            m.unshard()
         try:
             # off the first stage the input modules are already stubs (split_network): nothing to switch
             with torch.no_grad(), self.split.active(stage, None) if stage == 0 else nullcontext():
@@ -241,6 +248,8 @@ class PipelineRunner:
                     pass
         finally:
             handle.remove()
+            for m in fsdp:
+                m.reshard()
         if not seen or seen[0] is None:
             raise HybridConfigError("Could not find the hidden state entering the block list for pipeline parallel.")
         hidden = seen[0]
@@ -275,12 +284,15 @@ class PipelineRunner:
         return schedule
 
     # ------------------------------------------------------------------ results
-    def _stash_gradients(self) -> None:
-        """Lightning's loop calls ``zero_grad`` between ``training_step`` and ``backward``; the schedule already ran
-        the backward inside the step, so its gradients are held aside until ``backward`` gives them back."""
-        self._stashed = [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
-        for p, _ in self._stashed:
+    def _take_gradients(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """Move gradients off the parameters. Lightning's loop calls ``zero_grad`` between ``training_step`` and
+        ``backward``, but the schedule runs the backward inside the step: the step's gradients are held aside until
+        ``backward`` (``restore_gradients``), and gradients from before the step are kept out of the schedule's
+        accumulation (FSDP2 and autograd both add to an existing ``.grad``)."""
+        taken = [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
+        for p, _ in taken:
             p.grad = None
+        return taken
 
     def _share_results(self, step: _Step, training: bool) -> Any:
         payload: list[Any] = [None]
