@@ -22,34 +22,34 @@ TOL = 1e-5
 MODELS = {"nanogpt": {"bias": False}, "llama": {}}
 
 
-def _scenario(name: str, model: str, strategy: dict[str, Any], dp: int, **extra: Any) -> dict[str, Any]:
+def scenario(name: str, model: str, strategy: dict[str, Any], dp: int, **extra: Any) -> dict[str, Any]:
     kwargs = {**MODELS[model], **extra.pop("model_kwargs", {})}
     return {"name": name, "model": model, "model_kwargs": kwargs, "strategy": strategy, "steps": STEPS,
             "batch_size": BATCH, "data_parallel_size": dp, **extra}  # fmt: skip
 
 
 WORLD2 = [
-    *[_scenario(f"{m}-dp2-zero{z}", m, {"zero_stage": z}, 2) for m in MODELS for z in (0, 1, 2, 3)],
-    *[_scenario(f"{m}-tp2", m, {"tensor_parallel_size": 2}, 1) for m in MODELS],
-    *[_scenario(f"{m}-tp2-sp", m, {"tensor_parallel_size": 2, "sequence_parallel": True}, 1) for m in MODELS],
-    _scenario("nanogpt-tp2-tied", "nanogpt", {"tensor_parallel_size": 2}, 1, model_kwargs={"tie_weights": True}),
-    _scenario("nanogpt-dp2-zero1-ac", "nanogpt", {"zero_stage": 1, "activation_checkpointing": True}, 2),
-    _scenario(
+    *[scenario(f"{m}-dp2-zero{z}", m, {"zero_stage": z}, 2) for m in MODELS for z in (0, 1, 2, 3)],
+    *[scenario(f"{m}-tp2", m, {"tensor_parallel_size": 2}, 1) for m in MODELS],
+    *[scenario(f"{m}-tp2-sp", m, {"tensor_parallel_size": 2, "sequence_parallel": True}, 1) for m in MODELS],
+    scenario("nanogpt-tp2-tied", "nanogpt", {"tensor_parallel_size": 2}, 1, model_kwargs={"tie_weights": True}),
+    scenario("nanogpt-dp2-zero1-ac", "nanogpt", {"zero_stage": 1, "activation_checkpointing": True}, 2),
+    scenario(
         "nanogpt-tp2-dictplan", "nanogpt",
         {"tensor_parallel_size": 2, "tensor_parallel_plan": {
             "model.h.*.attn.c_attn": "fused_colwise_3", "model.h.*.attn.c_proj": "rowwise",
             "model.h.*.mlp.c_fc": "colwise", "model.h.*.mlp.c_proj": "rowwise"}}, 1,
     ),  # fmt: skip
     # configuration errors: raised alike on every rank before any collective, so the group goes on
-    _scenario("error-world", "nanogpt", {"tensor_parallel_size": 4}, 1, expect_error=True),
-    _scenario("error-heads", "nanogpt", {"tensor_parallel_size": 2}, 1, expect_error=True,
+    scenario("error-world", "nanogpt", {"tensor_parallel_size": 4}, 1, expect_error=True),
+    scenario("error-heads", "nanogpt", {"tensor_parallel_size": 2}, 1, expect_error=True,
               model_kwargs={"n_head": 3, "n_embd": 48}),  # fmt: skip
-    _scenario("error-pattern", "nanogpt", {"tensor_parallel_size": 2, "tensor_parallel_plan": {"model.h.*.nope": "colwise"}}, 1,
+    scenario("error-pattern", "nanogpt", {"tensor_parallel_size": 2, "tensor_parallel_plan": {"model.h.*.nope": "colwise"}}, 1,
               expect_error=True),  # fmt: skip
 ]
 WORLD4 = [
-    *[_scenario(f"{m}-tp2-dp2-zero{z}", m, {"tensor_parallel_size": 2, "zero_stage": z}, 2) for m in MODELS for z in (1, 3)],
-    *[_scenario(f"{m}-tp4", m, {"tensor_parallel_size": 4}, 1) for m in MODELS],
+    *[scenario(f"{m}-tp2-dp2-zero{z}", m, {"tensor_parallel_size": 2, "zero_stage": z}, 2) for m in MODELS for z in (1, 3)],
+    *[scenario(f"{m}-tp4", m, {"tensor_parallel_size": 4}, 1) for m in MODELS],
 ]
 PARITY = [s for s in WORLD2 + WORLD4 if not s.get("expect_error")]
 
@@ -65,7 +65,7 @@ def group4(tmp_path_factory: pytest.TempPathFactory):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(model: str, model_kwargs: tuple, dp: int) -> dict[str, Any]:
+def reference(model: str, model_kwargs: tuple, dp: int) -> dict[str, Any]:
     return run_reference({"model": model, "model_kwargs": dict(model_kwargs), "data_parallel_size": dp,
                           "batch_size": BATCH, "steps": STEPS})  # fmt: skip
 
@@ -73,14 +73,29 @@ def _reference(model: str, model_kwargs: tuple, dp: int) -> dict[str, Any]:
 def _result_and_reference(request: pytest.FixtureRequest, scenario: dict[str, Any]):
     group = request.getfixturevalue("group2" if scenario in WORLD2 else "group4")
     result = group.get(scenario["name"])
-    reference = _reference(scenario["model"], tuple(sorted(scenario["model_kwargs"].items())), scenario["data_parallel_size"])
-    return result, reference
+    return result, reference_for(scenario)
+
+
+def reference_for(scenario: dict[str, Any]) -> dict[str, Any]:
+    ref = reference(scenario["model"], tuple(sorted(scenario["model_kwargs"].items())), scenario["data_parallel_size"])
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in ref.items()}
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("scenario", PARITY, ids=[s["name"] for s in PARITY])
 def test_parity_with_single_process(request: pytest.FixtureRequest, scenario: dict[str, Any]) -> None:
     result, reference = _result_and_reference(request, scenario)
+    assert_parity(result, reference)
+
+
+def assert_parity(result: dict[str, Any], reference: dict[str, Any], tied: dict[str, str] | None = None) -> None:
+    """Per-step loss, final parameters and first-step gradients within TOL of the single-process run.
+
+    ``tied`` maps a name that exists only in the parallel run (a tied weight's second copy on another pipeline
+    stage) to the name of the weight it must still equal."""
+    for extra, partner in (tied or {}).items():
+        assert relative_error(result["params"].pop(extra), reference["params"][partner]) <= TOL, f"{extra} untied"
+        result["grads"].pop(extra, None)
     assert len(result["losses"]) == len(reference["losses"]) == STEPS
     for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
         assert abs(got - want) / abs(want) <= TOL, f"step {step}: loss {got} vs single-process {want}"

@@ -28,7 +28,10 @@ def run(scenario: dict, out_dir: Path) -> None:
     strategy = HybridStrategy(**scenario["strategy"])
     loader = torch.utils.data.DataLoader(make_dataset(), batch_size=scenario["batch_size"], shuffle=True)
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[recorder], **trainer_kwargs(scenario["steps"]))
+    kwargs = trainer_kwargs(scenario["steps"])
+    if scenario.get("callbacks"):
+        kwargs["enable_checkpointing"] = True
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[recorder], **kwargs)
     # the recorder averages losses over the data dimension, which exists once the strategy has set up the mesh
     recorder.data_group = None
 
@@ -38,7 +41,17 @@ def run(scenario: dict, out_dir: Path) -> None:
             recorder.data_group, recorder.data_size = data.get_group(), data.size()
 
     trainer.callbacks.insert(0, _Bind())
-    trainer.fit(module, train_dataloaders=loader)
+    counter = _CollectiveCounter(strategy) if scenario.get("count_collectives") else None
+    if counter is not None:
+        trainer.callbacks.append(counter)
+    for callback in scenario.get("callbacks", []):
+        trainer.callbacks.append(_make_callback(callback, out_dir / scenario["name"]))
+    val_loader = None
+    if scenario.get("validate"):
+        val_loader = torch.utils.data.DataLoader(make_dataset(), batch_size=scenario["batch_size"])
+        trainer.limit_val_batches = scenario["validate"]
+        trainer.val_check_interval = scenario.get("val_check_interval", 1.0)
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
     # under pipeline parallel each rank holds its stages' parameters only: merge every rank's view
     views: list = [None] * world
     dist.all_gather_object(views, (full_parameters(module), recorder.grads))
@@ -52,6 +65,9 @@ def run(scenario: dict, out_dir: Path) -> None:
         "layout": strategy.layout.as_dict(),
         "local_numel": _tensor_parallel_local_numel(module),
         "sampler": _sampler_record(trainer),
+        "collectives": counter.per_step if counter is not None else None,
+        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "checkpoints": sorted(p.name for p in (out_dir / scenario["name"]).glob("*.ckpt")) if scenario.get("callbacks") else [],
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, {"model_state": recorder.model_state[-1] if recorder.model_state else {},
@@ -59,6 +75,53 @@ def run(scenario: dict, out_dir: Path) -> None:
     result["per_rank"] = gathered
     if dist.get_rank() == 0:
         torch.save(result, out_dir / f"{scenario['name']}.pt")
+
+
+class _CollectiveCounter(L.Callback):
+    """Counts collectives issued on the data-parallel group during each optimizer step (gradient reduction and,
+    for ZeRO-1/2, the parameter all-gather), by wrapping torch.distributed's functions."""
+
+    NAMES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+             "all_gather_single", "broadcast", "all_gather", "reduce_scatter")  # fmt: skip
+
+    def __init__(self, strategy: HybridStrategy) -> None:
+        self.strategy, self.per_step, self.current = strategy, [], 0
+        self.originals = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        group = self.strategy.device_mesh["data"].get_group()
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self.originals[name] = original
+
+            def wrapped(*args, _original=original, **kwargs):
+                if kwargs.get("group") is group:
+                    self.current += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+
+    def on_train_batch_start(self, *args) -> None:
+        self.current = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.per_step.append(self.current)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+
+def _make_callback(spec: dict, directory: Path) -> L.Callback:
+    from lightning.pytorch import callbacks
+
+    kind = spec["kind"]
+    kwargs = {k: v for k, v in spec.items() if k != "kind"}
+    if kind == "ModelCheckpoint":
+        kwargs.setdefault("dirpath", str(directory))
+    return getattr(callbacks, kind)(**kwargs)
 
 
 def _tensor_parallel_local_numel(module: torch.nn.Module) -> int:

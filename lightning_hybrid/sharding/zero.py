@@ -28,9 +28,14 @@ if TYPE_CHECKING:
 
 __all__ = ["GradientSync", "ShardedOptimizer", "apply_fully_shard", "local_grad", "local_tensor"]
 
-# torch 2.13 renamed the flat collectives; 2.11/2.12 only have the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _reduce_scatter(output: Tensor, input: Tensor, group: Any) -> None:
+    # torch 2.13 renamed the flat collectives; 2.11/2.12 only have the old names (looked up per call, so tools that
+    # wrap torch.distributed, like the tests' collective counter, see them)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, group=group)
+
+
+def _all_gather(output: Tensor, input: Tensor, group: Any) -> None:
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input, group=group)
 
 
 def local_tensor(t: Tensor) -> Tensor:

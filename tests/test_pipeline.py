@@ -1,0 +1,139 @@
+"""Issue: pipeline parallel. Every schedule, pipeline x tensor x data with ZeRO 1/2/3, tied weights, Hugging Face
+Llama, communication once per step, Lightning callbacks, and configuration errors; against a single-process run."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from lightning_hybrid import HybridConfigError, HybridStrategy
+from lightning_hybrid.pipeline import partition_blocks
+from tests.conftest import launch
+from tests.test_foundation import assert_parity, reference_for, scenario
+
+SCHEDULES = {
+    "gpipe": {},
+    "1f1b": {},
+    "interleaved_1f1b": {"virtual_pipeline_size": 2},
+    "interleaved_zero_bubble": {"virtual_pipeline_size": 2},
+    "zbv_zero_bubble": {"virtual_pipeline_size": 2},
+}
+
+
+def _pp(pp: int, schedule: str, m: int, **more: Any) -> dict[str, Any]:
+    return {"pipeline_parallel_size": pp, "pipeline_schedule": schedule, "num_microbatches": m, **SCHEDULES[schedule], **more}
+
+
+LAYERS4 = {"n_layer": 4}
+LAYERS8 = {"n_layer": 8}
+WORLD2 = [
+    *[scenario(f"pp2-{s}", "nanogpt", _pp(2, s, 2), 1, model_kwargs=LAYERS4) for s in SCHEDULES],
+    scenario("pp2-tied", "nanogpt", _pp(2, "1f1b", 4), 1, model_kwargs={**LAYERS4, "tie_weights": True}),
+    scenario("pp2-parameters-partition", "nanogpt", _pp(2, "1f1b", 2, pipeline_partition="parameters"), 1,
+             model_kwargs={"n_layer": 5}),  # fmt: skip
+    scenario("error-too-many-stages", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs={"n_layer": 1}, expect_error=True),
+    scenario("error-batch-not-divisible", "nanogpt", _pp(2, "gpipe", 3), 1, model_kwargs=LAYERS4, expect_error=True),
+    scenario("error-virtual-not-dividing", "nanogpt", _pp(2, "interleaved_1f1b", 2), 1, model_kwargs={"n_layer": 6},
+             expect_error=True),  # fmt: skip
+]
+WORLD4 = [
+    *[scenario(f"pp4-{s}", "nanogpt", _pp(4, s, 4), 1, model_kwargs=LAYERS8) for s in SCHEDULES],
+    scenario("llama-pp2-tp2", "llama", {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2}, 1,
+             model_kwargs={"num_hidden_layers": 4}),  # fmt: skip
+    *[
+        scenario(f"pp2-dp2-zero{z}-m{m}", "nanogpt", {**_pp(2, "1f1b", m), "zero_stage": z}, 2, model_kwargs=LAYERS4,
+                 count_collectives=True)  # fmt: skip
+        for z in (0, 1, 2)
+        for m in (2, 4)
+    ],
+]
+WORLD8 = [
+    scenario(f"tp2-pp2-dp2-zero{z}", "nanogpt", {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": z}, 2,
+             model_kwargs=LAYERS4)  # fmt: skip
+    for z in (1, 2, 3)
+]
+GROUPS = {2: WORLD2, 4: WORLD4, 8: WORLD8}
+PARITY = [s for group in GROUPS.values() for s in group if not s.get("expect_error")]
+TIED = {"pp2-tied": {"model.lm_head.weight": "model.wte.weight"}}
+
+
+@pytest.fixture(scope="session")
+def pipeline_groups(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[int, Any] = {}
+
+    def get(world: int):
+        if world not in cache:
+            cache[world] = launch(world, GROUPS[world], tmp_path_factory.mktemp(f"pipeline{world}"), timeout=900)
+        return cache[world]
+
+    return get
+
+
+def _group_of(s: dict[str, Any]) -> int:
+    return next(world for world, group in GROUPS.items() if s in group)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", PARITY, ids=[s["name"] for s in PARITY])
+def test_pipeline_parity_with_single_process(pipeline_groups, case: dict[str, Any]) -> None:
+    result = pipeline_groups(_group_of(case)).get(case["name"])
+    assert_parity(result, reference_for(case), TIED.get(case["name"]))
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_data_parallel_collectives_do_not_grow_with_microbatches(pipeline_groups, zero_stage: int) -> None:
+    group = pipeline_groups(4)
+    counts = {m: group.get(f"pp2-dp2-zero{zero_stage}-m{m}")["collectives"] for m in (2, 4)}
+    assert counts[2] and all(c > 0 for c in counts[2]), counts
+    assert counts[2] == counts[4], f"data-parallel collectives per step changed with num_microbatches: {counts}"
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("error-too-many-stages", r"2 stages, but the model has only 1 blocks"),
+        ("error-batch-not-divisible", r"batch size \(4\) is not divisible by `num_microbatches=3`"),
+        ("error-virtual-not-dividing", r"makes 4 virtual stages, which do not divide the model's 6 blocks"),
+    ],
+)
+def test_bad_pipeline_configuration_raises_on_every_rank(pipeline_groups, name: str, match: str) -> None:
+    group = pipeline_groups(2)
+    messages = group.expected_errors(name)
+    assert len(messages) == 2, f"expected the error on both ranks, got {messages}\n{group.log[-3000:]}"
+    for message in messages:
+        assert message.startswith("HybridConfigError") and re.search(match, message), message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pipeline_parallel_size": 4, "num_microbatches": 2}, r"num_microbatches=2` is smaller than `pipeline_parallel_size=4"),
+        ({"pipeline_schedule": "zigzag"}, r"pipeline_schedule='zigzag'` is not one of"),
+        ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b"}, r"set `virtual_pipeline_size` >= 2"),
+        ({"pipeline_parallel_size": 2, "virtual_pipeline_size": 2}, r"needs an interleaved schedule"),
+        ({"pipeline_parallel_size": 2, "num_microbatches": 0}, r"`num_microbatches` must be a positive integer"),
+    ],
+)
+def test_bad_pipeline_arguments_raise_in_constructor(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(HybridConfigError, match=match):
+        HybridStrategy(**kwargs)
+
+
+def test_partition_by_parameters_gives_the_heavy_head_fewer_blocks() -> None:
+    # 8 equal blocks, a head worth 3 blocks on the last stage: "uniform" ignores it, "parameters" balances it
+    uniform = partition_blocks(8, 2, partition="uniform", block_costs=[1.0] * 8, last_cost=3.0)
+    balanced = partition_blocks(8, 2, partition="parameters", block_costs=[1.0] * 8, last_cost=3.0)
+    assert uniform.counts == (4, 4)
+    assert balanced.counts[1] < balanced.counts[0], balanced.counts
+    assert "stage" in balanced.format_table() and balanced.costs[0] >= 4.0
+
+
+def test_explicit_partition_and_errors() -> None:
+    assert partition_blocks(25, 4, partition=[7, 7, 7, 4]).counts == (7, 7, 7, 4)
+    with pytest.raises(HybridConfigError, match=r"must give 4 positive block counts"):
+        partition_blocks(25, 4, partition=[7, 7, 7])
+    assert partition_blocks(4, 2, 2, "uniform", owner_style="v").owner == (0, 1, 1, 0)
