@@ -457,6 +457,12 @@ class HybridStrategy(ParallelStrategy):
         raw = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the user's optimizer
         return next((z for z in self._sharded_optimizers if z.optimizer is raw), None)
 
+    @property
+    def pipeline_timeline(self) -> Any:
+        """This rank's :class:`~lightning_hybrid.pipeline.runner.StepTimeline` of the last pipeline step (None
+        without pipeline parallel): per micro-batch forward/backward timings and the measured bubble fraction."""
+        return self._pipeline.timeline if self._pipeline is not None else None
+
     def reduce_gradients(self, sharded: Optional[ShardedOptimizer] = None) -> None:
         """Make gradients the single-device ones: tensor-parallel replicas first, then data-parallel (ZeRO) reduction.
 

@@ -28,7 +28,7 @@ from lightning_hybrid.pipeline.stage import NetworkSplit, StageModule
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SCHEDULES", "PipelineRunner", "to_plain"]
+__all__ = ["SCHEDULES", "PipelineRunner", "StepTimeline", "to_plain"]
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -65,13 +65,26 @@ class _Step:
 
 
 @dataclass
-class StepTimes:
-    """Per-step timings of this rank, for the bubble fraction: compute is time inside stage forward/backward."""
+class StepTimeline:
+    """What this rank did during one pipeline step, from real timings (``time.perf_counter``).
 
-    step: float = 0.0
-    compute: float = 0.0
+    ``events`` are (kind, stage, micro-batch, start, end) in seconds from the step's start; kind is ``F`` (forward),
+    ``B`` (full backward), ``I``/``W`` (input/weight halves of a zero-bubble backward). Everything else in the step is
+    communication or waiting: the bubble.
+    """
+
+    rank: int = 0
+    step_time: float = 0.0
     events: list[tuple[str, int, int, float, float]] = field(default_factory=list)
-    """(kind F/B, stage, micro-batch, start, end) relative to the step start."""
+
+    @property
+    def compute_time(self) -> float:
+        return sum(end - start for _, _, _, start, end in self.events)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step on this rank: 1 - compute / step time."""
+        return max(0.0, 1.0 - self.compute_time / self.step_time) if self.step_time > 0 else 0.0
 
 
 class PipelineRunner:
@@ -100,7 +113,8 @@ class PipelineRunner:
         self._cache: dict[tuple, Any] = {}
         self._step: Optional[_Step] = None
         self._stashed: list[tuple[nn.Parameter, Tensor]] = []
-        self.times = StepTimes()
+        self.timeline = StepTimeline(rank=dist.get_rank())
+        self._clock = 0.0
         last_rank = split.plan.owner[self.last_stage]
         self._last_global_rank = dist.get_global_rank(pp_mesh.get_group(), last_rank)
 
@@ -115,12 +129,12 @@ class PipelineRunner:
         step = _Step(mode, microbatches, extra, captured, {s: 0 for s in self.stages})
         step.records = [[] for _ in range(m)]
         schedule = self._schedule(training, m, captured[0])
-        self._step, self.times = step, StepTimes()
+        self._step, self.timeline = step, StepTimeline(rank=dist.get_rank())
         ids = torch.arange(m, device=self.device)
         args = (ids,) if 0 in self.stages else ()
         kwargs: dict[str, Any] = {"target": ids, "losses": []} if self.last_stage in self.stages else {}
         previous = self._take_gradients() if training else []
-        start = time.perf_counter()
+        start = self._clock = time.perf_counter()
         try:
             if training:
                 schedule.step(*args, **kwargs)
@@ -129,7 +143,7 @@ class PipelineRunner:
                     schedule.step(*args, **kwargs)
         finally:
             self._step = None
-        self.times.step = time.perf_counter() - start
+        self.timeline.step_time = time.perf_counter() - start
         if training:
             self._stashed = self._take_gradients()
             for p, g in previous:  # back in place, for Lightning's zero_grad to clear or gradient accumulation to keep
@@ -188,28 +202,24 @@ class PipelineRunner:
         mb = step.counters[stage]
         step.counters[stage] += 1
         received = None if stage == 0 else x
-        begin = time.perf_counter()
-        try:
-            if stage != self.last_stage:
-                args, kwargs = step.captured[mb]
-                return self._partial_forward(stage, received, args, kwargs)
+        if stage != self.last_stage:
+            args, kwargs = step.captured[mb]
+            return self._partial_forward(stage, received, args, kwargs)
 
-            def network_call(*args: Any, **kwargs: Any) -> Any:
-                return self._partial_forward(stage, received, args, kwargs)
+        def network_call(*args: Any, **kwargs: Any) -> Any:
+            return self._partial_forward(stage, received, args, kwargs)
 
-            with self._network_replaced(network_call), self._log_to(step.records[mb]):
-                out = getattr(self.module, step.mode)(step.microbatches[mb], *step.extra)
-            out = apply_to_collection(out, DTensor, to_plain)
-            if step.mode != "training_step":
-                step.outputs.append(apply_to_collection(out, Tensor, lambda t: t.detach()))
-                return torch.zeros(1, device=self.device)
-            loss = out if isinstance(out, Tensor) else out["loss"]
-            step.losses.append(loss.detach())
-            # the micro-batch mean gives the full batch's mean-loss gradient, as on one device
-            # shape [1], not a scalar: schedules concatenate last-stage outputs across micro-batches
-            return (loss / len(step.microbatches)).reshape(1)
-        finally:
-            self.times.compute += time.perf_counter() - begin
+        with self._network_replaced(network_call), self._log_to(step.records[mb]):
+            out = getattr(self.module, step.mode)(step.microbatches[mb], *step.extra)
+        out = apply_to_collection(out, DTensor, to_plain)
+        if step.mode != "training_step":
+            step.outputs.append(apply_to_collection(out, Tensor, lambda t: t.detach()))
+            return torch.zeros(1, device=self.device)
+        loss = out if isinstance(out, Tensor) else out["loss"]
+        step.losses.append(loss.detach())
+        # the micro-batch mean gives the full batch's mean-loss gradient, as on one device
+        # shape [1], not a scalar: schedules concatenate last-stage outputs across micro-batches
+        return (loss / len(step.microbatches)).reshape(1)
 
     def _partial_forward(self, stage: int, received: Optional[Tensor], args: tuple, kwargs: dict) -> Any:
         from lightning_hybrid.pipeline.stage import StageBoundary
@@ -269,11 +279,11 @@ class PipelineRunner:
             example = hidden.detach().clone().requires_grad_(training)
             inputs = torch.zeros(1, dtype=torch.long, device=self.device) if s == 0 else example
             outputs = example if s != self.last_stage else torch.zeros(1, device=self.device).requires_grad_(training)
-            stages.append(
-                pipelining.PipelineStage(
-                    module, s, self.split.num_stages, self.device, input_args=inputs, output_args=outputs, group=group
-                )
+            stage = pipelining.PipelineStage(
+                module, s, self.split.num_stages, self.device, input_args=inputs, output_args=outputs, group=group
             )
+            self._time_stage(stage)
+            stages.append(stage)
         cls = getattr(pipelining, SCHEDULES[self.schedule_name])
         loss_fn = (lambda output, target: output.sum()) if training else None
         if self.schedule_name in MULTI_STAGE:
@@ -282,6 +292,26 @@ class PipelineRunner:
             schedule = cls(stages[0], m, loss_fn=loss_fn, scale_grads=False)
         self._cache[key] = schedule
         return schedule
+
+    def _time_stage(self, stage: Any) -> None:
+        """Record each compute action of the schedule (torch's schedules call these three methods per micro-batch)."""
+
+        def timed(kind: str, method: Callable) -> Callable:
+            def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
+                begin = time.perf_counter()
+                try:
+                    return method(chunk, *args, **kwargs)
+                finally:
+                    end = time.perf_counter()
+                    label = "I" if kind == "B" and kwargs.get("full_backward") is False else kind
+                    self.timeline.events.append((label, stage.stage_index, chunk, begin - self._clock, end - self._clock))
+
+            return run
+
+        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
+        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
+        if hasattr(stage, "backward_weight_one_chunk"):
+            stage.backward_weight_one_chunk = timed("W", stage.backward_weight_one_chunk)
 
     # ------------------------------------------------------------------ results
     def _take_gradients(self) -> list[tuple[nn.Parameter, Tensor]]:
