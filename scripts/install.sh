@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Install lightning-hybrid (editable) with optional extras, without pulling a multi-GB CUDA build of torch onto a
+# machine that has no GPU.
+#
+#   bash scripts/install.sh          # the package and its dependencies
+#   bash scripts/install.sh test     # ... plus the test extras (pytest, transformers, ...)
+#   bash scripts/install.sh test,hf  # several extras, comma-separated
+#
+# torch comes first, because the package's unpinned `torch>=2.11,<2.15` requirement would otherwise take the default
+# (CUDA) wheel:
+#   * torch already installed (e.g. the CUDA build a GPU user installed first): kept as it is;
+#   * no torch and an NVIDIA driver (nvidia-smi) present: the default build of the supported range;
+#   * no torch and no GPU: torch==2.13.0, the version tested on CPU.
+# Set TORCH_SPEC to choose the torch requirement yourself, and PIP_INDEX_URL / PIP_EXTRA_INDEX_URL as usual to take
+# it from another index (e.g. PyTorch's CPU-only wheel index).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python3}"
+EXTRAS="${1:-}"
+
+if ! "$PYTHON" -m pip --version >/dev/null 2>&1; then
+    echo "error: '$PYTHON -m pip' is not available. Install pip for $PYTHON (or activate a virtual environment)." >&2
+    exit 1
+fi
+"$PYTHON" - <<'PY'
+import sys
+if sys.version_info < (3, 10):
+    sys.exit(f"error: lightning-hybrid needs Python 3.10 or newer, this is {sys.version.split()[0]}")
+PY
+
+pip_install() {
+    "$PYTHON" -m pip install --no-input --progress-bar off "$@"
+}
+
+if installed=$("$PYTHON" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+    echo "install.sh: keeping the installed torch $installed"
+elif [[ -n "${TORCH_SPEC:-}" ]]; then
+    echo "install.sh: installing $TORCH_SPEC"
+    pip_install "$TORCH_SPEC"
+elif command -v nvidia-smi >/dev/null 2>&1; then
+    echo "install.sh: NVIDIA driver found, installing the default (CUDA) torch build"
+    pip_install "torch>=2.11,<2.15"
+else
+    echo "install.sh: no GPU found, installing torch==2.13.0 (the version tested on CPU)"
+    pip_install "torch==2.13.0"
+fi
+
+if [[ -n "$EXTRAS" ]]; then
+    pip_install -e ".[$EXTRAS]"
+else
+    pip_install -e .
+fi
+"$PYTHON" -c "import torch, lightning, lightning_hybrid; print(f'install.sh: torch {torch.__version__}, lightning {lightning.__version__}, lightning-hybrid {lightning_hybrid.__version__}')"
