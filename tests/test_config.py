@@ -1,0 +1,426 @@
+"""Single-process unit tests of everything that can be checked without process groups: configuration errors (each
+raised with a message that names the parameter and the fix), rank order, the start-up table, tensor-parallel plans,
+and the model-state formula and measurement.
+
+Fast on purpose: no collectives, no launched processes, tiny modules.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightning_hybrid import HybridConfigError, HybridStrategy, ParallelLayout
+from lightning_hybrid.sharding import expected_model_state_bytes, measure_model_state_bytes
+from lightning_hybrid.structure import find_model_structure
+from lightning_hybrid.tensor_parallel import (
+    FusedColwiseParallel,
+    build_tensor_parallel_plan,
+    validate_tensor_parallel_plan,
+)
+from lightning_hybrid.topology import MESH_DIM_NAMES, format_rank_table
+
+NANOGPT = {"vocab_size": 128, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32}
+LLAMA = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}  # fmt: skip
+
+
+def nanogpt(**kwargs):
+    from examples.nanogpt import NanoGPT
+
+    return NanoGPT(**{**NANOGPT, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def llama_cls():
+    pytest.importorskip("transformers")
+    from examples.hf_llama import HFLlama
+
+    return HFLlama
+
+
+def plan_for(module: nn.Module, plan="auto", **kwargs):
+    return build_tensor_parallel_plan(module, find_model_structure(module), plan, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- ParallelLayout
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 6, "tensor_parallel_size": 4},
+         r"world size \(6\) is not divisible by tensor_parallel_size x pipeline_parallel_size \(4 x 1 = 4\)"),
+        ({"world_size": 8, "tensor_parallel_size": 2, "pipeline_parallel_size": 3},
+         r"world size \(8\) is not divisible .* \(2 x 3 = 6\).*launch a multiple of 6 processes"),
+        ({"world_size": 8, "tensor_parallel_size": 2, "data_parallel_size": 2},
+         r"2 x 1 x 2 = 4, but the world size is 8\. Set `data_parallel_size='auto'` \(= 4\)"),
+        ({"world_size": 4, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2},
+         r"2 x 2 x 2 = 8, but the world size is 4"),
+    ],
+)  # fmt: skip
+def test_layout_sizes_must_multiply_to_the_world_size(kwargs, match):
+    with pytest.raises(HybridConfigError, match=match):
+        ParallelLayout.resolve(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("tensor_parallel_size", 0),
+        ("tensor_parallel_size", -2),
+        ("tensor_parallel_size", 1.5),
+        ("tensor_parallel_size", True),
+        ("pipeline_parallel_size", 0),
+        ("pipeline_parallel_size", "2"),
+        ("data_parallel_size", 0),
+        ("data_parallel_size", -1),
+        ("data_parallel_size", "all"),
+        ("world_size", 0),
+    ],
+)
+def test_layout_sizes_must_be_positive_integers(name, value):
+    kwargs = {"world_size": 4, name: value}
+    match = rf"`{name}` must be a positive integer, got {re.escape(repr(value))}\."
+    with pytest.raises(HybridConfigError, match=match):
+        ParallelLayout.resolve(**kwargs)
+
+
+@pytest.mark.parametrize("stage", [True, False, 4, -1, "1", None])
+def test_layout_zero_stage_must_be_0_to_3(stage):
+    with pytest.raises(HybridConfigError, match=rf"`zero_stage` must be 0, 1, 2 or 3, got {re.escape(repr(stage))}\."):
+        ParallelLayout.resolve(world_size=2, zero_stage=stage)
+
+
+def test_layout_sequence_parallel_needs_tensor_parallel():
+    with pytest.raises(HybridConfigError, match=r"`sequence_parallel=True` needs `tensor_parallel_size` > 1"):
+        ParallelLayout.resolve(world_size=2, sequence_parallel=True)
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "pp", "dp", "want_dp"),
+    [(8, 2, 2, "auto", 2), (8, 2, 1, "auto", 4), (8, 1, 1, 8, 8), (1, 1, 1, "auto", 1), (12, 2, 3, 2, 2)],
+)
+def test_layout_fills_in_data_parallel_size(world, tp, pp, dp, want_dp):
+    layout = ParallelLayout.resolve(
+        world_size=world, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, zero_stage=2
+    )
+    assert layout.data_parallel_size == want_dp
+    assert layout.tensor_parallel_size * layout.pipeline_parallel_size * layout.data_parallel_size == world
+    assert layout.as_dict()["zero_stage"] == 2
+
+
+def test_layout_extras_are_recorded_flat():
+    layout = ParallelLayout.resolve(world_size=4, tensor_parallel_size=2, num_microbatches=4)
+    assert layout.extras == {"num_microbatches": 4}
+    assert layout.as_dict()["num_microbatches"] == 4 and "extras" not in layout.as_dict()
+
+
+def test_coordinates_tensor_fastest_pipeline_slowest():
+    layout = ParallelLayout.resolve(world_size=8, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert MESH_DIM_NAMES == ("pipeline", "data", "tensor")
+    assert layout.coordinates(5) == (1, 0, 1)
+    assert [layout.coordinates(r) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+        (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
+    ]  # fmt: skip
+
+
+def test_coordinates_match_a_row_major_pipeline_data_tensor_mesh():
+    # the same order as init_device_mesh(shape=(pp, dp, tp)), which lays ranks out row-major
+    layout = ParallelLayout.resolve(world_size=24, tensor_parallel_size=2, pipeline_parallel_size=3)
+    mesh = torch.arange(24).view(3, 4, 2)
+    for rank in range(24):
+        p, d, t = layout.coordinates(rank)
+        assert mesh[p, d, t].item() == rank
+
+
+def test_rank_table_lists_every_rank_with_its_coordinates():
+    layout = ParallelLayout.resolve(world_size=8, tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)
+    devices = [(f"node{r // 4}", "cpu", 1000 + r) for r in range(8)]
+    table = format_rank_table(layout, devices)
+    lines = table.splitlines()
+    assert lines[0].startswith("lightning-hybrid: world=8  tp=2  pp=2  dp=2  zero_stage=1")
+    for rank in range(8):
+        p, d, t = layout.coordinates(rank)
+        pattern = rf"^\s+{rank}\s+{p}\s+{d}\s+{t}\s+node{rank // 4}:cpu$"
+        assert sum(bool(re.match(pattern, line)) for line in lines) == 1, f"rank {rank} missing:\n{table}"
+
+
+def test_rank_table_shows_extras():
+    layout = ParallelLayout.resolve(world_size=2, num_microbatches=4)
+    assert "num_microbatches=4" in format_rank_table(layout, [("h", "cpu", 1), ("h", "cpu", 2)])
+
+
+# ---------------------------------------------------------------------------------------------------- HybridStrategy
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tensor_parallel_size": 0}, r"`tensor_parallel_size` must be a positive integer, got 0\."),
+        ({"tensor_parallel_size": True}, r"`tensor_parallel_size` must be a positive integer, got True\."),
+        ({"pipeline_parallel_size": -1}, r"`pipeline_parallel_size` must be a positive integer, got -1\."),
+        ({"data_parallel_size": 0}, r"`data_parallel_size` must be a positive integer, got 0\."),
+        ({"zero_stage": True}, r"`zero_stage` must be 0, 1, 2 or 3, got True\."),
+        ({"zero_stage": 4}, r"`zero_stage` must be 0, 1, 2 or 3, got 4\."),
+        ({"zero_stage": -1}, r"`zero_stage` must be 0, 1, 2 or 3, got -1\."),
+        ({"sequence_parallel": True}, r"`sequence_parallel=True` needs `tensor_parallel_size` > 1"),
+        ({"tensor_parallel_plan": "manual"}, r"`tensor_parallel_plan` must be 'auto' or a dict"),
+    ],
+)  # fmt: skip
+def test_strategy_constructor_rejects_bad_configuration(kwargs, match):
+    with pytest.raises(HybridConfigError, match=match):
+        HybridStrategy(**kwargs)
+
+
+def test_strategy_constructor_accepts_a_good_configuration():
+    strategy = HybridStrategy(tensor_parallel_size=2, data_parallel_size=2, zero_stage=3, sequence_parallel=True)
+    assert strategy.strategy_name == "hybrid"
+    assert strategy.model_state_bytes == {}
+    with pytest.raises(RuntimeError, match="before"):
+        strategy.layout  # noqa: B018 - the layout needs the world size, known only once processes exist
+
+
+def test_strategy_is_registered_by_name():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "hybrid" in StrategyRegistry
+    assert StrategyRegistry["hybrid"]["strategy"] is HybridStrategy
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(HybridConfigError, ValueError)
+
+
+# ---------------------------------------------------------------------------------------------------- model structure
+def test_structure_of_nanogpt():
+    s = find_model_structure(nanogpt())
+    assert (s.network_name, s.blocks_name, s.num_blocks) == ("model", "model.h", 2)
+    assert (s.token_embedding_name, s.output_head_name) == ("model.wte", "model.lm_head")
+    assert s.tied_parameters == []
+    assert s.block_names() == ["model.h.0", "model.h.1"]
+
+
+def test_structure_finds_tied_weights():
+    s = find_model_structure(nanogpt(tie_weights=True))
+    assert s.tied_parameters == [("model.wte.weight", "model.lm_head.weight")]
+
+
+def test_structure_of_hf_llama(llama_cls):
+    s = find_model_structure(llama_cls(**LLAMA))
+    assert (s.network_name, s.blocks_name, s.num_blocks) == ("model", "model.model.layers", 2)
+    assert (s.token_embedding_name, s.output_head_name) == ("model.model.embed_tokens", "model.lm_head")
+
+
+@pytest.mark.parametrize(
+    ("blocks", "match"),
+    [
+        ("model.blocks", r"`transformer_blocks='model.blocks'` names no submodule of NanoGPT\."),
+        ("model.wte", r"`transformer_blocks='model.wte'` is a Embedding; it must name an nn.ModuleList"),
+    ],
+)
+def test_structure_rejects_a_bad_transformer_blocks_name(blocks, match):
+    with pytest.raises(HybridConfigError, match=match):
+        find_model_structure(nanogpt(), blocks)
+
+
+def test_structure_without_a_block_list_asks_for_transformer_blocks():
+    with pytest.raises(HybridConfigError, match=r"Could not find the repeated transformer blocks in Linear.*Pass"):
+        find_model_structure(nn.Linear(4, 4))
+
+
+# ---------------------------------------------------------------------------------------------------- TP plans
+def _exact(style, cls) -> bool:
+    return type(style) is cls
+
+
+def test_auto_plan_for_nanogpt():
+    module = nanogpt()
+    plan = plan_for(module)
+    for i in range(2):
+        b = f"model.h.{i}"
+        assert _exact(plan.styles[f"{b}.attn.c_attn"], FusedColwiseParallel)
+        assert plan.styles[f"{b}.attn.c_attn"].num_blocks == 3
+        assert _exact(plan.styles[f"{b}.attn.c_proj"], RowwiseParallel)
+        assert _exact(plan.styles[f"{b}.mlp.c_fc"], ColwiseParallel)
+        assert _exact(plan.styles[f"{b}.mlp.c_proj"], RowwiseParallel)
+    wte = plan.styles["model.wte"]  # vocab-parallel embedding: each rank looks up its vocabulary range
+    assert _exact(wte, RowwiseParallel) and wte.input_layouts == (Replicate(),)
+    head = plan.styles["model.lm_head"]  # logits stay sharded over the vocabulary for loss_parallel
+    assert _exact(head, ColwiseParallel) and head.output_layouts == (Shard(-1),) and head.use_local_output is False
+    assert plan.vocab_parallel_head == "model.lm_head"
+    assert "model.wpe" not in plan.styles
+    assert plan.attention_modules == {"model.h.0.attn", "model.h.1.attn"}
+    assert plan.sharded_region_modules == {"model.h.0.attn", "model.h.1.attn", "model.h.0.mlp", "model.h.1.mlp"}
+    assert "model.h.0.attn.c_attn: FusedColwiseParallel" in plan.describe()
+
+
+def test_auto_plan_without_vocab_parallel_loss_gathers_the_logits():
+    plan = plan_for(nanogpt(), vocab_parallel_loss=False)
+    head = plan.styles["model.lm_head"]
+    assert _exact(head, ColwiseParallel) and head.output_layouts == (Replicate(),)
+    assert plan.vocab_parallel_head is None
+
+
+def test_auto_plan_for_hf_llama_uses_the_declared_tp_plan(llama_cls):
+    module = llama_cls(**LLAMA)
+    declared = module.model._tp_plan
+    assert declared, "transformers' LlamaForCausalLM declares a tensor-parallel plan"
+    plan = plan_for(module)
+    expected = {
+        "self_attn.q_proj": ColwiseParallel,
+        "self_attn.k_proj": ColwiseParallel,
+        "self_attn.v_proj": ColwiseParallel,
+        "self_attn.o_proj": RowwiseParallel,
+        "mlp.gate_proj": ColwiseParallel,
+        "mlp.up_proj": ColwiseParallel,
+        "mlp.down_proj": RowwiseParallel,
+    }
+    for i in range(2):
+        for leaf, cls in expected.items():
+            assert _exact(plan.styles[f"model.model.layers.{i}.{leaf}"], cls), leaf
+    assert _exact(plan.styles["model.model.embed_tokens"], RowwiseParallel)
+    # declared "colwise_gather_output" for the head is replaced by the vocab-parallel head (logits stay sharded)
+    assert declared["lm_head"] == "colwise_gather_output"
+    assert plan.styles["model.lm_head"].output_layouts == (Shard(-1),)
+    assert plan.vocab_parallel_head == "model.lm_head"
+    assert len(plan.styles) == 2 * len(expected) + 2
+
+
+def test_auto_plan_follows_a_changed_declared_plan(llama_cls):
+    module = llama_cls(**LLAMA)
+    module.model._tp_plan = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+                             "model.layers.*.mlp.down_proj": "rowwise"}  # fmt: skip
+    plan = plan_for(module)
+    assert not any("self_attn" in name for name in plan.styles)
+    assert _exact(plan.styles["model.model.layers.1.mlp.down_proj"], RowwiseParallel)
+    # the vocabulary layers are added even when the declared plan leaves them out
+    assert {"model.model.embed_tokens", "model.lm_head"} <= plan.styles.keys()
+
+
+def test_dict_plan_with_string_styles():
+    plan = plan_for(nanogpt(), {"model.h.*.attn.c_attn": "fused_colwise_3", "model.h.*.attn.c_proj": "rowwise",
+                                "model.h.*.mlp.c_fc": "colwise", "model.h.*.mlp.c_proj": "rowwise"})  # fmt: skip
+    assert _exact(plan.styles["model.h.1.attn.c_attn"], FusedColwiseParallel)
+    assert plan.styles["model.h.1.attn.c_attn"].num_blocks == 3
+    assert _exact(plan.styles["model.h.0.mlp.c_fc"], ColwiseParallel)
+    assert {"model.wte", "model.lm_head"} <= plan.styles.keys()
+
+
+def test_dict_plan_rejects_an_unknown_style_string():
+    match = r"gives 'model.h.0.mlp.c_fc' the style 'diagonal', which is not one of"
+    with pytest.raises(HybridConfigError, match=match):
+        plan_for(nanogpt(), {"model.h.*.mlp.c_fc": "diagonal", "model.h.*.mlp.c_proj": "rowwise"})
+
+
+def test_dict_plan_rejects_a_pattern_that_matches_nothing():
+    with pytest.raises(HybridConfigError, match=r"pattern 'model\.h\.\*\.nope' matches no module of NanoGPT"):
+        plan_for(nanogpt(), {"model.h.*.nope": "colwise"})
+
+
+def test_dict_plan_rejects_a_split_region_without_a_rowwise_layer():
+    match = r"splits layers of 'model.h.0.mlp' but has no row-wise \(output\) projection"
+    with pytest.raises(HybridConfigError, match=match):
+        plan_for(nanogpt(), {"model.h.*.mlp.c_fc": "colwise"})
+
+
+def test_dict_plan_rejects_a_split_region_without_a_colwise_layer():
+    match = r"splits layers of 'model.h.0.mlp' but has no column-wise \(input\) projection"
+    with pytest.raises(HybridConfigError, match=match):
+        plan_for(nanogpt(), {"model.h.*.mlp.c_proj": "rowwise"})
+
+
+def test_plan_must_be_auto_or_a_dict():
+    with pytest.raises(HybridConfigError, match=r"`tensor_parallel_plan` must be 'auto' or a dict"):
+        plan_for(nanogpt(), "megatron")
+
+
+def test_auto_plan_that_finds_nothing_asks_for_a_plan():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.ModuleList([Block(), Block()]))
+    match = r"`tensor_parallel_plan='auto'` found no Linear layer it knows how to split"
+    with pytest.raises(HybridConfigError, match=match):
+        plan_for(net)
+
+
+# ---------------------------------------------------------------------------------------------------- TP divisibility
+def test_validate_accepts_divisible_sizes():
+    module = nanogpt()
+    validate_tensor_parallel_plan(module, plan_for(module), 4)
+
+
+def test_validate_rejects_tp_not_dividing_heads():
+    module = nanogpt(n_head=3, n_embd=48)
+    match = r"`tensor_parallel_size=2` does not divide .*model\.h\.0\.attn\.n_head=3"
+    with pytest.raises(HybridConfigError, match=match):
+        validate_tensor_parallel_plan(module, plan_for(module), 2)
+
+
+def test_validate_rejects_tp_not_dividing_the_vocabulary():
+    module = nanogpt(vocab_size=129)
+    match = r"does not divide model\.wte\.num_embeddings \(vocabulary\)=129.*pad the vocabulary"
+    with pytest.raises(HybridConfigError, match=match):
+        validate_tensor_parallel_plan(module, plan_for(module), 2)
+
+
+def test_validate_rejects_tp_not_dividing_the_hidden_size(llama_cls):
+    module = llama_cls(**{**LLAMA, "intermediate_size": 66})
+    match = r"`tensor_parallel_size=4` does not divide model\.model\.layers\.0\.mlp\.gate_proj\.out_features=66"
+    with pytest.raises(HybridConfigError, match=match):
+        validate_tensor_parallel_plan(module, plan_for(module), 4)
+
+
+def test_validate_rejects_tp_not_dividing_fused_blocks():
+    module = nanogpt(n_head=3, n_embd=48)  # c_attn: 3 blocks of 48 outputs; 48 % 32 != 0
+    with pytest.raises(HybridConfigError, match=r"c_attn\.out_features per fused block=48"):
+        validate_tensor_parallel_plan(module, plan_for(module), 32)
+
+
+# ---------------------------------------------------------------------------------------------------- model state
+@pytest.mark.parametrize(
+    ("stage", "want"),
+    [
+        (0, {"parameters": 4000, "gradients": 4000, "optimizer_state": 8000}),
+        (1, {"parameters": 4000, "gradients": 4000, "optimizer_state": 3000}),  # (4 master + 8 Adam) / 4
+        (2, {"parameters": 4000, "gradients": 1000, "optimizer_state": 3000}),
+        (3, {"parameters": 1000, "gradients": 1000, "optimizer_state": 2000}),  # no separate fp32 master copy
+    ],
+)
+def test_expected_model_state_bytes_per_stage(stage, want):
+    assert expected_model_state_bytes(1000, zero_stage=stage, data_parallel_size=4) == want
+
+
+def test_expected_model_state_bytes_with_bf16_parameters():
+    got = expected_model_state_bytes(1000, zero_stage=1, data_parallel_size=2, param_bytes=2, grad_bytes=2)
+    assert got == {"parameters": 2000, "gradients": 2000, "optimizer_state": 6000}
+
+
+def test_expected_model_state_bytes_at_dp1_is_the_replicated_model_plus_master():
+    assert expected_model_state_bytes(10, zero_stage=3, data_parallel_size=1) == {
+        "parameters": 40, "gradients": 40, "optimizer_state": 80}  # fmt: skip
+
+
+def test_measure_model_state_bytes_after_an_adam_step():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))  # 40 + 18 = 58 parameters
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+    before = measure_model_state_bytes(module, [optimizer])
+    assert before == {"parameters": 58 * 4, "gradients": 0, "optimizer_state": 0, "total": 58 * 4}
+    module(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    after = measure_model_state_bytes(module, [optimizer])
+    # Adam keeps exp_avg and exp_avg_sq per parameter; its 0-dim `step` counters are not counted
+    assert after == {"parameters": 232, "gradients": 232, "optimizer_state": 464, "total": 928}
+    assert after == {**expected_model_state_bytes(58, zero_stage=0, data_parallel_size=1), "total": 928}
+
+
+def test_measure_model_state_bytes_counts_tied_parameters_once():
+    module = nanogpt(tie_weights=True, n_layer=1)
+    numel = sum(p.numel() for p in module.parameters())  # parameters() already removes the duplicate
+    assert measure_model_state_bytes(module, [])["parameters"] == 4 * numel
