@@ -45,6 +45,7 @@ class HFLlama(L.LightningModule):
             attn_implementation="sdpa",
         )
         self.model = LlamaForCausalLM(config)
+        self.example_input_array = torch.zeros(2, 64, dtype=torch.long)  # model summary, pipeline profiling
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits

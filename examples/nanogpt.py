@@ -123,6 +123,7 @@ class NanoGPT(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, tie_weights))
+        self.example_input_array = torch.zeros(2, block_size, dtype=torch.long)  # model summary, pipeline profiling
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

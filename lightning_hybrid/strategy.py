@@ -6,6 +6,7 @@ The logic lives in the per-concern packages; this class only decides *when* each
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Optional, Union
@@ -33,8 +34,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hybrid.checkpoint import LAYOUT_KEY, load_sharded, save_sharded
+from lightning_hybrid.checkpoint import optimizer_state as checkpoint_optimizer_state
 from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pipeline, check_sizes
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network, to_plain
+from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.sharding import (
     GradientSync,
     ShardedOptimizer,
@@ -298,20 +302,30 @@ class HybridStrategy(ParallelStrategy):
                 f"`pipeline_network={network_name!r}` does not contain the block list {structure.blocks_name!r}."
             )
         blocks_rel = structure.blocks_name[len(prefix) :]
-        costs = [float(_num_params(b)) for b in blocks]
-        head = module.get_submodule(structure.output_head_name) if structure.output_head_name else None
-        embedding = module.get_submodule(structure.token_embedding_name) if structure.token_embedding_name else None
+        partition = options["pipeline_partition"]
+        costs: Optional[list[float]] = None
+        first_cost = last_cost = 0.0
+        if partition in ("parameters", "profile"):
+            example = getattr(module, "example_input_array", None)
+            measured = [None]
+            if partition == "parameters" or self.global_rank == 0:
+                measured[0] = stage_costs(network, blocks_rel, partition, example)
+            if partition == "profile":
+                # timings differ between ranks: one rank measures, all use its numbers, so all cut alike
+                torch.distributed.broadcast_object_list(measured, src=0)
+            costs, first_cost, last_cost = measured[0]
         stage_plan = partition_blocks(
             len(blocks),
             layout.pipeline_parallel_size,
             options["virtual_pipeline_size"],
-            options["pipeline_partition"],
+            partition,
             block_costs=costs,
-            first_cost=float(_num_params(embedding)) if embedding is not None else 0.0,
-            last_cost=float(_num_params(head)) if head is not None else 0.0,
+            first_cost=first_cost,
+            last_cost=last_cost,
             owner_style="v" if options["pipeline_schedule"] == "zbv_zero_bubble" else "loop",
         )
-        rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table())
+        unit = "seconds" if partition == "profile" else "params"
+        rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(unit))
         pipeline_rank = self.device_mesh["pipeline"].get_local_rank()
         self._pipeline_network_module = network
         return split_network(network, blocks_rel, stage_plan, pipeline_rank)
@@ -491,6 +505,72 @@ class HybridStrategy(ParallelStrategy):
                 g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             out[name] = g.full_tensor() if isinstance(g, DTensor) else g
         return out
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # shards load in place into the parallelized model and the (ZeRO-wrapped) optimizers
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def _coordinates(self) -> str:
+        mesh = self.device_mesh
+        return f"pp{mesh['pipeline'].get_local_rank()}_tp{mesh['tensor'].get_local_rank()}"
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # DTensors stay sharded: every rank saves only its own shards
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        return checkpoint_optimizer_state(
+            self.lightning_module, raw, self._sharded_for(raw), self._coordinates(), self.device_mesh["data"]
+        )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero and path.is_file():
+            path.unlink()
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{index}"] = optimizer_state
+        checkpoint[LAYOUT_KEY] = self.layout.as_dict()
+        save_sharded(path, state, checkpoint, self.is_global_zero)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return load_sharded(
+            path,
+            self.lightning_module,
+            optimizers,
+            [self._sharded_for(o) for o in optimizers],
+            self._coordinates(),
+            self.device_mesh["data"],
+            self.layout.as_dict(),
+            strict=self.lightning_module.strict_loading,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in place by load_checkpoint
 
     # ------------------------------------------------------------------ collectives
     @override

@@ -33,6 +33,8 @@ WORLD2 = [
     scenario("pp2-tied", "nanogpt", _pp(2, "1f1b", 4), 1, model_kwargs={**LAYERS4, "tie_weights": True}),
     scenario("pp2-parameters-partition", "nanogpt", _pp(2, "1f1b", 2, pipeline_partition="parameters"), 1,
              model_kwargs={"n_layer": 5}),  # fmt: skip
+    scenario("pp2-profile-partition", "nanogpt", _pp(2, "1f1b", 2, pipeline_partition="profile"), 1,
+             model_kwargs={"n_layer": 5}),  # fmt: skip
     scenario("error-too-many-stages", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs={"n_layer": 1}, expect_error=True),
     scenario("error-batch-not-divisible", "nanogpt", _pp(2, "gpipe", 3), 1, model_kwargs=LAYERS4, expect_error=True),
     scenario("error-virtual-not-dividing", "nanogpt", _pp(2, "interleaved_1f1b", 2), 1, model_kwargs={"n_layer": 6},
@@ -48,6 +50,16 @@ WORLD4 = [
         for z in (0, 1, 2)
         for m in (2, 4)
     ],
+    scenario(
+        "pp2-dp2-callbacks", "nanogpt", _pp(2, "1f1b", 2), 2, model_kwargs=LAYERS4, steps=6, validate=2,
+        val_check_interval=3, logger="csv",
+        callbacks=[
+            {"kind": "ModelCheckpoint", "monitor": "val_loss", "save_top_k": 1, "save_last": True,
+             "filename": "{step}-{val_loss:.4f}"},
+            {"kind": "EarlyStopping", "monitor": "val_loss", "patience": 100},
+            {"kind": "LearningRateMonitor", "logging_interval": "step"},
+        ],
+    ),  # fmt: skip
 ]
 WORLD8 = [
     scenario(f"tp2-pp2-dp2-zero{z}", "nanogpt", {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": z}, 2,
@@ -55,7 +67,7 @@ WORLD8 = [
     for z in (1, 2, 3)
 ]
 GROUPS = {2: WORLD2, 4: WORLD4, 8: WORLD8}
-PARITY = [s for group in GROUPS.values() for s in group if not s.get("expect_error")]
+PARITY = [s for group in GROUPS.values() for s in group if not s.get("expect_error") and not s.get("callbacks")]
 TIED = {"pp2-tied": {"model.lm_head.weight": "model.wte.weight"}}
 
 
@@ -89,6 +101,22 @@ def test_data_parallel_collectives_do_not_grow_with_microbatches(pipeline_groups
     counts = {m: group.get(f"pp2-dp2-zero{zero_stage}-m{m}")["collectives"] for m in (2, 4)}
     assert counts[2] and all(c > 0 for c in counts[2]), counts
     assert counts[2] == counts[4], f"data-parallel collectives per step changed with num_microbatches: {counts}"
+
+
+@pytest.mark.timeout(1200)
+def test_lightning_callbacks_under_pipeline_and_data_parallel(pipeline_groups) -> None:
+    """ModelCheckpoint monitoring a validation metric, EarlyStopping and LearningRateMonitor run under pp=2 x dp=2:
+    validation goes through the pipeline, the metric reaches every rank, top-k checkpoints are saved and pruned."""
+    result = pipeline_groups(4).get("pp2-dp2-callbacks")
+    assert len(result["losses"]) == 6
+    metrics = result["callback_metrics"]
+    assert "val_loss" in metrics and 0 < metrics["val_loss"] < 10, metrics
+    # validation at steps 3 and 6; save_top_k=1 keeps one monitored checkpoint, plus last.ckpt
+    assert "last.ckpt" in result["checkpoints"] and len(result["checkpoints"]) == 2, result["checkpoints"]
+    assert len(result["val_history"]) == 2, result["val_history"]
+    best = next(name for name in result["checkpoints"] if name != "last.ckpt")
+    assert f"val_loss={min(result['val_history']):.4f}" in best, (best, result["val_history"])
+    assert any(column.startswith("lr-") for column in result["logged_columns"]), result["logged_columns"]
 
 
 @pytest.mark.timeout(1200)
@@ -137,3 +165,37 @@ def test_explicit_partition_and_errors() -> None:
     with pytest.raises(HybridConfigError, match=r"must give 4 positive block counts"):
         partition_blocks(25, 4, partition=[7, 7, 7])
     assert partition_blocks(4, 2, 2, "uniform", owner_style="v").owner == (0, 1, 1, 0)
+
+
+class _HeavyHeadNet(__import__("torch").nn.Module):
+    """A transformer-shaped network whose output head costs several blocks (parameters and time)."""
+
+    def __init__(self, blocks: int = 8, width: int = 64, vocab: int = 64) -> None:
+        from torch import nn
+
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks))
+        self.head = nn.Sequential(nn.Linear(width, 8 * width), nn.GELU(), nn.Linear(8 * width, 8 * width), nn.Linear(8 * width, vocab))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode", ["parameters", "profile"])
+def test_stage_table_gives_the_heavy_head_stage_fewer_blocks(mode: str) -> None:
+    import torch
+
+    from lightning_hybrid.pipeline.profile import stage_costs
+
+    torch.manual_seed(0)
+    net = _HeavyHeadNet()
+    example = torch.randint(0, 64, (8, 64))
+    costs, first, last = stage_costs(net, "blocks", mode, example)
+    plan = partition_blocks(len(costs), 2, partition=mode, block_costs=costs, first_cost=first, last_cost=last)
+    table = plan.format_table("seconds" if mode == "profile" else "params")
+    assert plan.counts[-1] < plan.counts[0], f"{mode}: the head's stage should hold fewer blocks\n{table}"
+    assert sum(plan.counts) == 8

@@ -31,6 +31,10 @@ def run(scenario: dict, out_dir: Path) -> None:
     kwargs = trainer_kwargs(scenario["steps"])
     if scenario.get("callbacks"):
         kwargs["enable_checkpointing"] = True
+    if scenario.get("logger") == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        kwargs["logger"] = CSVLogger(save_dir=str(out_dir / scenario["name"]), name="logs")
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[recorder], **kwargs)
     # the recorder averages losses over the data dimension, which exists once the strategy has set up the mesh
     recorder.data_group = None
@@ -47,7 +51,15 @@ def run(scenario: dict, out_dir: Path) -> None:
     for callback in scenario.get("callbacks", []):
         trainer.callbacks.append(_make_callback(callback, out_dir / scenario["name"]))
     val_loader = None
+    val_history: list[float] = []
     if scenario.get("validate"):
+
+        class _ValHistory(L.Callback):
+            def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+                if "val_loss" in trainer.callback_metrics:
+                    val_history.append(float(trainer.callback_metrics["val_loss"]))
+
+        trainer.callbacks.append(_ValHistory())
         val_loader = torch.utils.data.DataLoader(make_dataset(), batch_size=scenario["batch_size"])
         trainer.limit_val_batches = scenario["validate"]
         trainer.val_check_interval = scenario.get("val_check_interval", 1.0)
@@ -67,6 +79,8 @@ def run(scenario: dict, out_dir: Path) -> None:
         "sampler": _sampler_record(trainer),
         "collectives": counter.per_step if counter is not None else None,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "val_history": val_history,
+        "logged_columns": _logged_columns(out_dir / scenario["name"]),
         "checkpoints": sorted(p.name for p in (out_dir / scenario["name"]).glob("*.ckpt")) if scenario.get("callbacks") else [],
     }
     gathered = [None] * world
@@ -112,6 +126,11 @@ class _CollectiveCounter(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for name, original in self.originals.items():
             setattr(dist, name, original)
+
+
+def _logged_columns(directory: Path) -> list[str]:
+    files = sorted(directory.glob("logs/version_*/metrics.csv"))
+    return files[-1].read_text().splitlines()[0].split(",") if files else []
 
 
 def _make_callback(spec: dict, directory: Path) -> L.Callback:

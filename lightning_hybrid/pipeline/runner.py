@@ -132,7 +132,8 @@ class PipelineRunner:
         self._step, self.timeline = step, StepTimeline(rank=dist.get_rank())
         ids = torch.arange(m, device=self.device)
         args = (ids,) if 0 in self.stages else ()
-        kwargs: dict[str, Any] = {"target": ids, "losses": []} if self.last_stage in self.stages else {}
+        last = self.last_stage in self.stages
+        kwargs: dict[str, Any] = {"target": ids, "losses": []} if last and training else {}
         previous = self._take_gradients() if training else []
         start = self._clock = time.perf_counter()
         try:
