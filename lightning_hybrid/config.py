@@ -40,7 +40,7 @@ def check_sizes(
     _check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
     if data_parallel_size != "auto":
         _check_positive_int("data_parallel_size", data_parallel_size)
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+    if type(zero_stage) is not int or zero_stage not in (0, 1, 2, 3):
         raise HybridConfigError(
             f"`zero_stage` must be 0, 1, 2 or 3, got {zero_stage!r}. 0 replicates the model, 1 shards optimizer"
             " state, 2 also gradients, 3 also parameters over the data-parallel ranks."

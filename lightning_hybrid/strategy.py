@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -39,6 +40,8 @@ from lightning_hybrid.checkpoint import optimizer_state as checkpoint_optimizer_
 from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pipeline, check_sizes
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network, to_plain
 from lightning_hybrid.pipeline.profile import stage_costs
+from lightning_hybrid.precision import HybridPrecision
+from lightning_hybrid.sharding.norm import GradientNorm
 from lightning_hybrid.sharding import (
     GradientSync,
     ShardedOptimizer,
@@ -66,7 +69,7 @@ class HybridStrategy(ParallelStrategy):
 
     Arguments:
         tensor_parallel_size: ranks that split each layer (DTensor). Consecutive ranks, so keep it within a node.
-        pipeline_parallel_size: ranks that split the stack of blocks into stages. Only 1 in this release.
+        pipeline_parallel_size: ranks that split the stack of blocks into stages (slowest mesh dimension).
         data_parallel_size: model replicas; ``"auto"`` is ``world_size // (tensor x pipeline)``.
         zero_stage: 0 replicate, 1 shard optimizer state, 2 also gradients, 3 also parameters (FSDP2).
         tensor_parallel_plan: ``"auto"`` (find the plan; Hugging Face models use the plan they declare), or a dict
@@ -76,6 +79,16 @@ class HybridStrategy(ParallelStrategy):
         activation_checkpointing: recompute each transformer block in the backward pass instead of storing it.
         vocab_parallel_loss: keep the logits sharded over the vocabulary so cross-entropy never gathers them.
         transformer_blocks: name of the repeated block list when it cannot be found automatically.
+        num_microbatches: micro-batches per optimizer step under pipeline parallel (default: the pipeline size);
+            must divide the DataLoader's batch size.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"`` or
+            ``"zbv_zero_bubble"`` (torch's ``pipelining`` schedules).
+        virtual_pipeline_size: stages per rank for the interleaved and zero-bubble schedules.
+        pipeline_partition: ``"uniform"``, ``"parameters"``, ``"profile"`` or block counts per stage.
+        pipeline_network: name of the module ``training_step`` calls, if not the one owning the block list.
+        zero3_gradient_sync: ZeRO-3 under pipeline parallel: ``"per_step"`` keeps each stage's gradients unsharded
+            across micro-batches and reduce-scatters once per step (more memory, less communication);
+            ``"per_microbatch"`` reduce-scatters and frees them after every micro-batch's backward.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
         timeout: timeout of collectives.
 
@@ -103,6 +116,7 @@ class HybridStrategy(ParallelStrategy):
         virtual_pipeline_size: int = 1,
         pipeline_partition: Union[str, list[int]] = "uniform",
         pipeline_network: Optional[str] = None,
+        zero3_gradient_sync: Literal["per_step", "per_microbatch"] = "per_step",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         **kwargs: Any,
@@ -142,6 +156,11 @@ class HybridStrategy(ParallelStrategy):
             "pipeline_partition": pipeline_partition,
         }
         self._pipeline_network = pipeline_network
+        if zero3_gradient_sync not in ("per_step", "per_microbatch"):
+            raise HybridConfigError(
+                f"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch', got {zero3_gradient_sync!r}."
+            )
+        self._zero3_gradient_sync = zero3_gradient_sync
         self._activation_checkpointing = activation_checkpointing
         self._vocab_parallel_loss = vocab_parallel_loss
         self._transformer_blocks = transformer_blocks
@@ -155,9 +174,23 @@ class HybridStrategy(ParallelStrategy):
         self._sharded_optimizers: list[ShardedOptimizer] = []
         self._pipeline: Optional[PipelineRunner] = None
         self._tied_sync: Optional[Callable[[], None]] = None
+        self._tied_duplicates: list[nn.Parameter] = []
+        self._gradient_norm: Optional[GradientNorm] = None
+        self.last_gradient_norm: Optional[float] = None
+        """The global gradient norm (before clipping) at the last step clipped by norm."""
         self.model_state_bytes: dict[str, int] = {}
         """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
         self.num_nodes = 1
+
+    # ------------------------------------------------------------------ precision
+    @property
+    def precision_plugin(self) -> Any:
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        # Trainer(precision=...) gives Lightning's plugins; the hybrid one clips by the global norm
+        self._precision_plugin = HybridPrecision.from_lightning(plugin)
 
     # ------------------------------------------------------------------ layout and processes
     @property
@@ -239,6 +272,7 @@ class HybridStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        self._check_unsupported(trainer)
         self._parallelize(module)
         self.model_to_device()
         self.barrier()
@@ -272,6 +306,12 @@ class HybridStrategy(ParallelStrategy):
             self._vocab_parallel_head = plan.vocab_parallel_head
             rank_zero_info("lightning-hybrid tensor-parallel plan:\n" + plan.describe())
         elif user_parallelized and layout.tensor_parallel_size > 1:
+            if layout.sequence_parallel:
+                raise HybridConfigError(
+                    "`sequence_parallel=True` is applied with the automatic/dict plan, but `configure_model` already"
+                    " parallelized the model. Add SequenceParallel styles to your own plan and leave"
+                    " `sequence_parallel=False`."
+                )
             replicated = [(n, "avg") for n, p in module.named_parameters() if not isinstance(p, DTensor)]
         held_blocks = [n for n in structure.block_names() if not _is_stub(module.get_submodule(n))]
         if self._activation_checkpointing:
@@ -339,12 +379,20 @@ class HybridStrategy(ParallelStrategy):
             return (shape[0], shape[1] // tp, *shape[2:]) if layout.sequence_parallel else shape
 
         def wrap_stage(stage: StageModule) -> StageModule:
-            if layout.zero_stage == 3:
-                from torch.distributed.fsdp import fully_shard
+            if layout.zero_stage != 3:
+                return stage
+            from torch.distributed.fsdp import fully_shard
 
+            if self._zero3_gradient_sync == "per_step":
                 # the stage module is the FSDP2 root: torch's PipelineStage then accumulates unsharded gradients
                 # over micro-batches and reduce-scatters once per step
                 fully_shard(stage, mesh=self.device_mesh["data"])
+            else:
+                # every block (and each input/output module) is its own FSDP2 root, which reduce-scatters its
+                # gradients and frees the unsharded ones after each micro-batch's backward
+                for part in stage.parts:
+                    if not isinstance(part, FSDPModule):
+                        fully_shard(part, mesh=self.device_mesh["data"])
             return stage
 
         return PipelineRunner(
@@ -378,6 +426,8 @@ class HybridStrategy(ParallelStrategy):
         params = [p for n, p in module.named_parameters(remove_duplicate=False) if n in names]
         if not params or my_group is None:
             return None
+        if self.device_mesh["pipeline"].get_local_rank() == last_owner:
+            self._tied_duplicates = params  # counted once in the global norm: on the first stage
 
         def sync() -> None:
             for p in params:
@@ -386,6 +436,16 @@ class HybridStrategy(ParallelStrategy):
                     torch.distributed.all_reduce(grad, group=my_group)
 
         return sync
+
+    def _check_unsupported(self, trainer: pl.Trainer) -> None:
+        """Refuse, on every rank alike, what would silently train wrong in this release."""
+        if not isinstance(self.precision_plugin, HybridPrecision):
+            name = getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__)
+            raise HybridConfigError(
+                f"`Trainer(precision={name!r})` is not supported by HybridStrategy yet: fp16 needs a loss scaler"
+                " agreed by all ranks and '-true' modes need fp32 master weights inside ZeRO. Use precision='32-true'"
+                " or 'bf16-mixed'."
+            )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -396,6 +456,11 @@ class HybridStrategy(ParallelStrategy):
             if stage < 3
             else []
         )
+        self._gradient_norm = GradientNorm(
+            self.lightning_module, self._sharded_optimizers, self.device_mesh, stage, self._tied_duplicates
+        )
+        if isinstance(self.precision_plugin, HybridPrecision):
+            self.precision_plugin._clip_by_norm = self.clip_gradients_by_global_norm
 
     @override
     def model_to_device(self) -> None:
@@ -470,6 +535,18 @@ class HybridStrategy(ParallelStrategy):
     def _sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
         raw = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the user's optimizer
         return next((z for z in self._sharded_optimizers if z.optimizer is raw), None)
+
+    def clip_gradients_by_global_norm(self, max_norm: float) -> float:
+        """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
+        device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
+        assert self._gradient_norm is not None, "set up the optimizers first"
+        self.last_gradient_norm = self._gradient_norm.clip_(max_norm)
+        return self.last_gradient_norm
+
+    def gradient_norm(self) -> float:
+        """The global gradient norm right now (collective), without clipping."""
+        assert self._gradient_norm is not None, "set up the optimizers first"
+        return self._gradient_norm.total()
 
     @property
     def pipeline_timeline(self) -> Any:

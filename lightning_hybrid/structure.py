@@ -93,12 +93,17 @@ def find_model_structure(root: nn.Module, blocks_name: Optional[str] = None) -> 
 
     outside = [(f"{prefix}{n}" if n else network_name, m) for n, m in network.named_modules() if not _inside(n, name[len(prefix):])]
     embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
-    token_embedding = max(embeddings, key=lambda nm: nm[1].num_embeddings, default=None)
-    head = None
-    if token_embedding is not None:
-        vocab = token_embedding[1].num_embeddings
-        heads = [(n, m) for n, m in outside if isinstance(m, nn.Linear) and m.out_features == vocab]
-        head = heads[-1] if heads else None
+    linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
+    # the token embedding is the one whose vocabulary the output head predicts (a position table can be larger
+    # than the vocabulary); without such a head, the first embedding registered
+    token_embedding, head = None, None
+    for name_e, emb in embeddings:
+        heads = [(n, m) for n, m in linears if m.out_features == emb.num_embeddings]
+        if heads:
+            token_embedding, head = (name_e, emb), heads[-1]
+            break
+    if token_embedding is None and embeddings:
+        token_embedding = embeddings[0]
 
     tied: list[tuple[str, str]] = []
     seen: dict[int, str] = {}

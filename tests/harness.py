@@ -76,10 +76,15 @@ class Recorder(L.Callback):
     def __init__(self, data_group: Any = None, data_size: int = 1) -> None:
         self.data_group, self.data_size = data_group, data_size
         self.losses: list[float] = []
+        self.norms: list[float] = []
         self.grads: dict[str, torch.Tensor] = {}
         self.model_state: list[dict[str, int]] = []
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if not hasattr(trainer.strategy, "last_gradient_norm"):
+            # single device: the norm Lightning's clipping is about to use (gradients are not clipped yet here)
+            grads = [p.grad.double() for p in {id(p): p for p in pl_module.parameters()}.values() if p.grad is not None]
+            self.norms.append(float(torch.sqrt(sum(g.pow(2).sum() for g in grads))))
         if trainer.global_step == 0:
             strategy = trainer.strategy
             if hasattr(strategy, "full_gradients"):
@@ -93,6 +98,8 @@ class Recorder(L.Callback):
             torch.distributed.all_reduce(loss, group=self.data_group)
             loss /= self.data_size
         self.losses.append(loss.item())
+        if getattr(trainer.strategy, "last_gradient_norm", None) is not None:
+            self.norms.append(trainer.strategy.last_gradient_norm)
         if hasattr(trainer.strategy, "model_state_bytes"):
             self.model_state.append(dict(trainer.strategy.model_state_bytes))
 
@@ -116,6 +123,7 @@ def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
     dp = scenario["data_parallel_size"]
     loader = reference_loader(make_dataset(), dp, scenario["batch_size"])
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[recorder], **trainer_kwargs(scenario["steps"]))
+    kwargs = {**trainer_kwargs(scenario["steps"]), **scenario.get("trainer", {})}
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[recorder], **kwargs)
     trainer.fit(module, train_dataloaders=loader)
-    return {"losses": recorder.losses, "grads": recorder.grads, "params": full_parameters(module)}
+    return {"losses": recorder.losses, "grads": recorder.grads, "params": full_parameters(module), "norms": recorder.norms}

@@ -52,7 +52,7 @@ WORLD4 = [
     ],
     scenario(
         "pp2-dp2-callbacks", "nanogpt", _pp(2, "1f1b", 2), 2, model_kwargs=LAYERS4, steps=6, validate=2,
-        val_check_interval=3, logger="csv",
+        val_check_interval=3, logger="csv", trainer={"log_every_n_steps": 1},
         callbacks=[
             {"kind": "ModelCheckpoint", "monitor": "val_loss", "save_top_k": 1, "save_last": True,
              "filename": "{step}-{val_loss:.4f}"},
@@ -66,9 +66,24 @@ WORLD8 = [
              model_kwargs=LAYERS4)  # fmt: skip
     for z in (1, 2, 3)
 ]
+WORLD8.append(
+    scenario("tp2-pp2-dp2-zero3-per-microbatch", "nanogpt",
+             {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": 3, "zero3_gradient_sync": "per_microbatch"},
+             2, model_kwargs=LAYERS4)  # fmt: skip
+)
+WORLD8 += [
+    scenario(f"tp2-pp2-dp2-zero{z}-clip", "nanogpt", {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": z},
+             2, model_kwargs=LAYERS4, trainer={"gradient_clip_val": 0.05})  # fmt: skip
+    for z in (1, 3)
+]
+WORLD2.append(
+    scenario("pp2-tied-clip", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs={**LAYERS4, "tie_weights": True},
+             trainer={"gradient_clip_val": 0.05})  # fmt: skip
+)
+TIED_CLIP = {"pp2-tied-clip": {"model.lm_head.weight": "model.wte.weight"}}
 GROUPS = {2: WORLD2, 4: WORLD4, 8: WORLD8}
 PARITY = [s for group in GROUPS.values() for s in group if not s.get("expect_error") and not s.get("callbacks")]
-TIED = {"pp2-tied": {"model.lm_head.weight": "model.wte.weight"}}
+TIED = {"pp2-tied": {"model.lm_head.weight": "model.wte.weight"}, **TIED_CLIP}
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ def run(scenario: dict, out_dir: Path) -> None:
     strategy = HybridStrategy(**scenario["strategy"])
     loader = torch.utils.data.DataLoader(make_dataset(), batch_size=scenario["batch_size"], shuffle=True)
     recorder = Recorder()
-    kwargs = trainer_kwargs(scenario["steps"])
+    kwargs = {**trainer_kwargs(scenario["steps"]), **scenario.get("trainer", {})}
     if scenario.get("callbacks"):
         kwargs["enable_checkpointing"] = True
     if scenario.get("logger") == "csv":
@@ -71,6 +71,7 @@ def run(scenario: dict, out_dir: Path) -> None:
     recorder.grads = {k: v for _, grads in views for k, v in grads.items()}
     result = {
         "losses": recorder.losses,
+        "norms": recorder.norms,
         "grads": recorder.grads,
         "params": params,
         "model_state": recorder.model_state,

@@ -267,10 +267,12 @@ class PipelineRunner:
         return torch.zeros(self.activation_shape(tuple(hidden.shape)), dtype=hidden.dtype, device=self.device)
 
     def _schedule(self, training: bool, m: int, captured: tuple[tuple, dict]) -> Any:
-        hidden = self._activation_meta(captured)
-        key = (training, m, tuple(hidden.shape), hidden.dtype)
+        # keyed by the network inputs' shapes, so the activation probe runs only when they change
+        shapes = tuple((tuple(t.shape), t.dtype) for t in _tensors(captured))
+        key = (training, m, shapes, torch.is_autocast_enabled(self.device.type))
         if key in self._cache:
             return self._cache[key]
+        hidden = self._activation_meta(captured)
         from torch.distributed import pipelining
 
         group = self.pp_mesh.get_group()
@@ -341,6 +343,16 @@ class PipelineRunner:
             return torch.tensor(result["loss"], device=self.device)
         outputs = result["outputs"]
         return apply_to_collection(outputs, Tensor, lambda t: t.to(self.device)) if outputs is not None else None
+
+
+def _tensors(obj: Any) -> list[Tensor]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

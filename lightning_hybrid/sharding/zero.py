@@ -230,7 +230,8 @@ class ShardedOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer-owned tensors on this rank (state and, for stage 1/2, the master shard)."""
-        total = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim() > 0)
+        tensors = [local_tensor(t) for s in self.optimizer.state.values() for t in s.values() if isinstance(t, Tensor)]
+        total = sum(t.numel() * t.element_size() for t in tensors if t.dim() > 0)
         return total + sum(g.master.numel() * g.master.element_size() for g in self.groups if g.master is not None)
 
     def gradient_bytes(self) -> int:

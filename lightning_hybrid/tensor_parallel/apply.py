@@ -55,6 +55,13 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
             value = getattr(module, attr, None)
             if isinstance(value, int) and value % tp:
                 problems.append(f"{name}.{attr}={value}")
+    # Hugging Face attention reads head counts from the model config, not from module attributes
+    configs = {id(c): c for m in root.modules() if (c := getattr(m, "config", None)) is not None}.values()
+    for config in configs:
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and plan.sharded_region_modules and value % tp:
+                problems.append(f"config.{attr}={value}")
     if problems:
         raise HybridConfigError(
             f"`tensor_parallel_size={tp}` does not divide {', '.join(problems[:6])}"

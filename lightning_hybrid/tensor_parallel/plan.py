@@ -143,8 +143,9 @@ def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStru
     """Find attention modules and the sharded regions; check that every split region is closed by a row-wise split."""
     regions: dict[str, set[str]] = {}
     for name, style in plan.styles.items():
-        if structure.output_head_name == name or structure.token_embedding_name == name:
-            continue
+        inside_blocks = name.startswith(structure.blocks_name + ".")
+        if not inside_blocks or not isinstance(root.get_submodule(name), nn.Linear):
+            continue  # embeddings and the head are split on their own: they open no region
         kind = "row" if isinstance(style, RowwiseParallel) else "col" if isinstance(style, ColwiseParallel) else None
         if kind:
             regions.setdefault(_parent(name), set()).add(kind)

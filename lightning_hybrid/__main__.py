@@ -1,0 +1,3 @@
+from lightning_hybrid.cli import main
+
+main()
