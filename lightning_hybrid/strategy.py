@@ -274,6 +274,9 @@ class HybridStrategy(ParallelStrategy):
         module = self.lightning_module
         self._check_unsupported(trainer)
         self._parallelize(module)
+        # Lightning's model summary runs example_input_array through the model on rank 0 alone: a split model's
+        # forward is a collective (TP/ZeRO-3) or needs other stages, so it would hang or fail. Hidden until teardown.
+        self._example_input_array, module.example_input_array = module.example_input_array, None
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -679,6 +682,8 @@ class HybridStrategy(ParallelStrategy):
     def teardown(self) -> None:
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        if self.lightning_module is not None and getattr(self, "_example_input_array", None) is not None:
+            self.lightning_module.example_input_array = self._example_input_array
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
