@@ -32,11 +32,32 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
         from examples.nanogpt import NanoGPT
 
         return NanoGPT(**{**MODEL_DEFAULTS["nanogpt"], **kwargs})
+    if model == "nanogpt_user_tp":
+        return _user_tensor_parallel_nanogpt(**{**MODEL_DEFAULTS["nanogpt"], **kwargs})
     if model == "llama":
         from examples.hf_llama import HFLlama
 
         return HFLlama(**{**MODEL_DEFAULTS["llama"], **kwargs})
     raise ValueError(model)
+
+
+def _user_tensor_parallel_nanogpt(**kwargs: Any) -> L.LightningModule:
+    """The nanoGPT example with the third way of giving a plan: the user's own ``configure_model`` calls
+    ``parallelize_module`` with ``self.device_mesh["tensor"]`` (a plain module on one device)."""
+    from examples.nanogpt import NanoGPT
+
+    class UserParallelNanoGPT(NanoGPT):
+        def configure_model(self) -> None:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            if self.device_mesh is None or self.device_mesh["tensor"].size() == 1:
+                return
+            mesh = self.device_mesh["tensor"]
+            for block in self.model.h:
+                # separate-projection attention is not in this model, so only the MLP is split here
+                parallelize_module(block.mlp, mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
+
+    return UserParallelNanoGPT(**kwargs)
 
 
 def make_dataset() -> TensorDataset:
@@ -119,7 +140,8 @@ def trainer_kwargs(steps: int) -> dict[str, Any]:
 def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
     """Single process, single device: the ground truth for a scenario."""
     torch.set_num_threads(max(1, int(os.environ.get("REFERENCE_THREADS", "1"))))
-    module = build_module(scenario["model"], **scenario.get("model_kwargs", {}))
+    model = "nanogpt" if scenario["model"] == "nanogpt_user_tp" else scenario["model"]
+    module = build_module(model, **scenario.get("model_kwargs", {}))
     dp = scenario["data_parallel_size"]
     loader = reference_loader(make_dataset(), dp, scenario["batch_size"])
     recorder = Recorder()

@@ -33,6 +33,7 @@ WORLD2 = [
     *[scenario(f"{m}-tp2", m, {"tensor_parallel_size": 2}, 1) for m in MODELS],
     *[scenario(f"{m}-tp2-sp", m, {"tensor_parallel_size": 2, "sequence_parallel": True}, 1) for m in MODELS],
     scenario("nanogpt-tp2-tied", "nanogpt", {"tensor_parallel_size": 2}, 1, model_kwargs={"tie_weights": True}),
+    {**scenario("nanogpt-tp2-user-plan", "nanogpt", {"tensor_parallel_size": 2}, 1), "model": "nanogpt_user_tp"},
     scenario("nanogpt-dp2-zero1-ac", "nanogpt", {"zero_stage": 1, "activation_checkpointing": True}, 2),
     scenario(
         "nanogpt-tp2-dictplan", "nanogpt",
@@ -84,7 +85,7 @@ def _result_and_reference(request: pytest.FixtureRequest, scenario: dict[str, An
 
 def reference_for(scenario: dict[str, Any]) -> dict[str, Any]:
     ref = reference(
-        scenario["model"],
+        "nanogpt" if scenario["model"] == "nanogpt_user_tp" else scenario["model"],
         tuple(sorted(scenario["model_kwargs"].items())),
         scenario["data_parallel_size"],
         tuple(sorted(scenario.get("trainer", {}).items())),

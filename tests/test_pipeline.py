@@ -50,6 +50,12 @@ WORLD4 = [
         for z in (0, 1, 2)
         for m in (2, 4)
     ],
+    *[
+        scenario(f"pp2-dp2-zero3-{sync}-m{m}", "nanogpt", {**_pp(2, "1f1b", m), "zero_stage": 3, "zero3_gradient_sync": sync},
+                 2, model_kwargs=LAYERS4, count_collectives=True)  # fmt: skip
+        for sync in ("per_step", "per_microbatch")
+        for m in (2, 4)
+    ],
     scenario(
         "pp2-dp2-callbacks", "nanogpt", _pp(2, "1f1b", 2), 2, model_kwargs=LAYERS4, steps=6, validate=2,
         val_check_interval=3, logger="csv", trainer={"log_every_n_steps": 1},
@@ -116,6 +122,24 @@ def test_data_parallel_collectives_do_not_grow_with_microbatches(pipeline_groups
     counts = {m: group.get(f"pp2-dp2-zero{zero_stage}-m{m}")["collectives"] for m in (2, 4)}
     assert counts[2] and all(c > 0 for c in counts[2]), counts
     assert counts[2] == counts[4], f"data-parallel collectives per step changed with num_microbatches: {counts}"
+
+
+@pytest.mark.timeout(1200)
+def test_zero3_gradient_sync_choice_is_measured(pipeline_groups) -> None:
+    """ZeRO-3 under a pipeline: 'per_step' reduce-scatters each stage's gradients once per step, 'per_microbatch'
+    after every micro-batch; both gather parameters per micro-batch forward. The counts go to docs/pipeline.md."""
+    group = pipeline_groups(4)
+    counts = {
+        (sync, m): group.get(f"pp2-dp2-zero3-{sync}-m{m}")["collectives"][-1]
+        for sync in ("per_step", "per_microbatch")
+        for m in (2, 4)
+    }
+    print("data-parallel collectives per step (ZeRO-3, pp=2 x dp=2, 4 blocks):", counts)
+    for m in (2, 4):
+        assert counts[("per_microbatch", m)] > counts[("per_step", m)], counts
+    # per micro-batch reductions grow with m faster than the per-step mode's (whose growth is forward gathers only)
+    growth = {sync: counts[(sync, 4)] - counts[(sync, 2)] for sync in ("per_step", "per_microbatch")}
+    assert growth["per_microbatch"] > growth["per_step"], counts
 
 
 @pytest.mark.timeout(1200)
