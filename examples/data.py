@@ -33,7 +33,9 @@ class CharDataModule(L.LightningDataModule):
     """Characters of the corpus as token ids; the vocabulary is padded to a multiple of 64 (cheap, and divisible by
     any tensor-parallel size up to 64, so the vocab-parallel embedding splits evenly)."""
 
-    def __init__(self, block_size: int = 64, batch_size: int = 8, max_chars: int | None = 200_000, val_fraction: float = 0.1) -> None:
+    def __init__(
+        self, block_size: int = 64, batch_size: int = 8, max_chars: int | None = 200_000, val_fraction: float = 0.1
+    ) -> None:
         super().__init__()
         self.block_size, self.batch_size = block_size, batch_size
         text = load_corpus(max_chars)

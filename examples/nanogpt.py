@@ -144,5 +144,8 @@ class NanoGPT(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=(0.9, 0.95))

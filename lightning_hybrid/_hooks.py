@@ -6,7 +6,8 @@ stop after a stage's last block): torch's ``PrepareModuleInput`` needs to know i
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn

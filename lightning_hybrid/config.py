@@ -60,9 +60,7 @@ def check_pipeline(
 ) -> None:
     """Pipeline options that need no model: schedule name, virtual stages, micro-batch count."""
     if pipeline_schedule not in PIPELINE_SCHEDULES:
-        raise HybridConfigError(
-            f"`pipeline_schedule={pipeline_schedule!r}` is not one of {list(PIPELINE_SCHEDULES)}."
-        )
+        raise HybridConfigError(f"`pipeline_schedule={pipeline_schedule!r}` is not one of {list(PIPELINE_SCHEDULES)}.")
     v = _check_positive_int("virtual_pipeline_size", virtual_pipeline_size)
     multi = pipeline_schedule in ("interleaved_1f1b", "interleaved_zero_bubble")
     if multi and v < 2:
@@ -71,8 +69,10 @@ def check_pipeline(
             " >= 2 (stages per rank), or use '1f1b'."
         )
     if pipeline_schedule == "zbv_zero_bubble" and v != 2:
-        raise HybridConfigError("`pipeline_schedule='zbv_zero_bubble'` places exactly 2 stages per rank (a V): set"
-                                " `virtual_pipeline_size=2`.")
+        raise HybridConfigError(
+            "`pipeline_schedule='zbv_zero_bubble'` places exactly 2 stages per rank (a V): set"
+            " `virtual_pipeline_size=2`."
+        )
     if pipeline_schedule in ("gpipe", "1f1b") and v != 1:
         raise HybridConfigError(
             f"`virtual_pipeline_size={v}` needs an interleaved schedule: set `pipeline_schedule='interleaved_1f1b'`"

@@ -7,9 +7,9 @@ norm). fp16 with a loss scaler agreed by all ranks and the ``-true`` modes with 
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision

@@ -6,10 +6,11 @@ The logic lives in the per-concern packages; this class only decides *when* each
 from __future__ import annotations
 
 import functools
-from pathlib import Path
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Optional, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -41,7 +42,6 @@ from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pip
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network, to_plain
 from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.precision import HybridPrecision
-from lightning_hybrid.sharding.norm import GradientNorm
 from lightning_hybrid.sharding import (
     GradientSync,
     ShardedOptimizer,
@@ -49,6 +49,7 @@ from lightning_hybrid.sharding import (
     local_grad,
     measure_model_state_bytes,
 )
+from lightning_hybrid.sharding.norm import GradientNorm
 from lightning_hybrid.structure import ModelStructure, find_model_structure
 from lightning_hybrid.tensor_parallel import (
     apply_tensor_parallel,
@@ -410,7 +411,9 @@ class HybridStrategy(ParallelStrategy):
             wrap_stage=wrap_stage,
         )
 
-    def _tied_gradient_sync(self, module: pl.LightningModule, structure: ModelStructure, split: Any) -> Optional[Callable[[], None]]:
+    def _tied_gradient_sync(
+        self, module: pl.LightningModule, structure: ModelStructure, split: Any
+    ) -> Optional[Callable[[], None]]:
         """Weights tied across the first and last stage (input embedding = output head) live on two ranks: sum their
         gradients between those two ranks every step so both copies take the same update (Megatron's embedding
         group). Groups are created on every rank, in the same order, as ``new_group`` requires."""
@@ -480,7 +483,10 @@ class HybridStrategy(ParallelStrategy):
 
     def _run_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None
-        with self.precision_plugin.train_step_context() if name == "training_step" else nullcontext(), self._loss_context():
+        with (
+            self.precision_plugin.train_step_context() if name == "training_step" else nullcontext(),
+            self._loss_context(),
+        ):
             with _plain_logging(self.lightning_module, self.device_mesh["data"]):
                 if self._pipeline is not None:
                     return self._pipeline.run(name, *args, *kwargs.values())
@@ -672,7 +678,10 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

@@ -91,7 +91,11 @@ def find_model_structure(root: nn.Module, blocks_name: Optional[str] = None) -> 
     network = root.get_submodule(network_name) if network_name else root
     prefix = f"{network_name}." if network_name else ""
 
-    outside = [(f"{prefix}{n}" if n else network_name, m) for n, m in network.named_modules() if not _inside(n, name[len(prefix):])]
+    outside = [
+        (f"{prefix}{n}" if n else network_name, m)
+        for n, m in network.named_modules()
+        if not _inside(n, name[len(prefix) :])
+    ]
     embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
     linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
     # the token embedding is the one whose vocabulary the output head predicts (a position table can be larger

@@ -20,7 +20,8 @@ NUM_SAMPLES = 256
 # shards) into up to ~1% of one step on a few elements; at 1e-3 a 5-layer model reaches 2e-5 relative parameter
 # error after 10 steps while every loss still agrees to 1e-7. A real bug still moves parameters by >1e-3 relative.
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "nanogpt": {"vocab_size": 128, "block_size": SEQ_LEN, "n_layer": 2, "n_head": 4, "n_embd": 32, "learning_rate": 1e-4},
+    "nanogpt": {"vocab_size": 128, "block_size": SEQ_LEN, "n_layer": 2, "n_head": 4, "n_embd": 32,
+                "learning_rate": 1e-4},
     "llama": {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64, "learning_rate": 1e-4},
 }  # fmt: skip
@@ -87,7 +88,8 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone().cpu() for n, p in module.named_parameters()
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone().cpu()
+        for n, p in module.named_parameters()
     }
 
 
@@ -113,7 +115,9 @@ class Recorder(L.Callback):
             else:
                 self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs["loss"].detach().clone().float()
         if self.data_group is not None and self.data_size > 1:
             torch.distributed.all_reduce(loss, group=self.data_group)
@@ -148,4 +152,9 @@ def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
     kwargs = {**trainer_kwargs(scenario["steps"]), **scenario.get("trainer", {})}
     trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[recorder], **kwargs)
     trainer.fit(module, train_dataloaders=loader)
-    return {"losses": recorder.losses, "grads": recorder.grads, "params": full_parameters(module), "norms": recorder.norms}
+    return {
+        "losses": recorder.losses,
+        "grads": recorder.grads,
+        "params": full_parameters(module),
+        "norms": recorder.norms,
+    }

@@ -32,8 +32,13 @@ def test_print_config_applies_command_line_overrides() -> None:
 
 @pytest.mark.timeout(600)
 def test_quickstart_config_trains_in_3d_on_8_processes(tmp_path: Path) -> None:
-    proc = _cli("fit", "--config", str(ROOT / "cli_configs/cpu_quickstart.yaml"), "--trainer.max_steps=3",
-                f"--trainer.default_root_dir={tmp_path}", "--trainer.strategy.init_args.zero_stage=2", timeout=540)  # fmt: skip
+    config = str(ROOT / "cli_configs/cpu_quickstart.yaml")
+    overrides = [
+        "--trainer.max_steps=3",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.strategy.init_args.zero_stage=2",
+    ]
+    proc = _cli("fit", "--config", config, *overrides, timeout=540)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     log = proc.stdout + proc.stderr
     assert "tp=2  pp=2  dp=2  zero_stage=2" in log, log[-3000:]

@@ -36,27 +36,60 @@ WORLD2 = [
     {**scenario("nanogpt-tp2-user-plan", "nanogpt", {"tensor_parallel_size": 2}, 1), "model": "nanogpt_user_tp"},
     scenario("nanogpt-dp2-zero1-ac", "nanogpt", {"zero_stage": 1, "activation_checkpointing": True}, 2),
     scenario(
-        "nanogpt-tp2-dictplan", "nanogpt",
-        {"tensor_parallel_size": 2, "tensor_parallel_plan": {
-            "model.h.*.attn.c_attn": "fused_colwise_3", "model.h.*.attn.c_proj": "rowwise",
-            "model.h.*.mlp.c_fc": "colwise", "model.h.*.mlp.c_proj": "rowwise"}}, 1,
+        "nanogpt-tp2-dictplan",
+        "nanogpt",
+        {
+            "tensor_parallel_size": 2,
+            "tensor_parallel_plan": {
+                "model.h.*.attn.c_attn": "fused_colwise_3",
+                "model.h.*.attn.c_proj": "rowwise",
+                "model.h.*.mlp.c_fc": "colwise",
+                "model.h.*.mlp.c_proj": "rowwise",
+            },
+        },
+        1,
     ),  # fmt: skip
     # configuration errors: raised alike on every rank before any collective, so the group goes on
     scenario("error-world", "nanogpt", {"tensor_parallel_size": 4}, 1, expect_error=True),
-    scenario("error-heads", "nanogpt", {"tensor_parallel_size": 2}, 1, expect_error=True,
-              model_kwargs={"n_head": 3, "n_embd": 48}),  # fmt: skip
+    scenario(
+        "error-heads",
+        "nanogpt",
+        {"tensor_parallel_size": 2},
+        1,
+        expect_error=True,
+        model_kwargs={"n_head": 3, "n_embd": 48},
+    ),  # fmt: skip
     # gradients clipped by the global norm (small enough to clip every step), ZeRO-2 over data
     scenario("nanogpt-dp2-zero2-clip", "nanogpt", {"zero_stage": 2}, 2, trainer={"gradient_clip_val": 0.05}),
-    scenario("error-pattern", "nanogpt", {"tensor_parallel_size": 2, "tensor_parallel_plan": {"model.h.*.nope": "colwise"}}, 1,
-              expect_error=True),  # fmt: skip
+    scenario(
+        "error-pattern",
+        "nanogpt",
+        {"tensor_parallel_size": 2, "tensor_parallel_plan": {"model.h.*.nope": "colwise"}},
+        1,
+        expect_error=True,
+    ),  # fmt: skip
 ]
 WORLD4 = [
-    *[scenario(f"{m}-tp2-dp2-zero{z}", m, {"tensor_parallel_size": 2, "zero_stage": z}, 2) for m in MODELS for z in (1, 3)],
+    *[
+        scenario(f"{m}-tp2-dp2-zero{z}", m, {"tensor_parallel_size": 2, "zero_stage": z}, 2)
+        for m in MODELS
+        for z in (1, 3)
+    ],
     *[scenario(f"{m}-tp4", m, {"tensor_parallel_size": 4}, 1) for m in MODELS],
-    scenario("nanogpt-tp2-dp2-zero3-clip", "nanogpt", {"tensor_parallel_size": 2, "zero_stage": 3}, 2,
-             trainer={"gradient_clip_val": 0.05}),  # fmt: skip
-    scenario("nanogpt-tp2-dp2-zero0-clip", "nanogpt", {"tensor_parallel_size": 2, "zero_stage": 0}, 2,
-             trainer={"gradient_clip_val": 0.05}),  # fmt: skip
+    scenario(
+        "nanogpt-tp2-dp2-zero3-clip",
+        "nanogpt",
+        {"tensor_parallel_size": 2, "zero_stage": 3},
+        2,
+        trainer={"gradient_clip_val": 0.05},
+    ),  # fmt: skip
+    scenario(
+        "nanogpt-tp2-dp2-zero0-clip",
+        "nanogpt",
+        {"tensor_parallel_size": 2, "zero_stage": 0},
+        2,
+        trainer={"gradient_clip_val": 0.05},
+    ),  # fmt: skip
 ]
 PARITY = [s for s in WORLD2 + WORLD4 if not s.get("expect_error")]
 
@@ -71,7 +104,7 @@ def group4(tmp_path_factory: pytest.TempPathFactory):
     return launch(4, WORLD4, tmp_path_factory.mktemp("world4"), timeout=600)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(model: str, model_kwargs: tuple, dp: int, trainer: tuple = ()) -> dict[str, Any]:
     return run_reference({"model": model, "model_kwargs": dict(model_kwargs), "data_parallel_size": dp,
                           "batch_size": BATCH, "steps": STEPS, "trainer": dict(trainer)})  # fmt: skip
@@ -141,7 +174,9 @@ def test_model_state_report_matches_zero_formula(request: pytest.FixtureRequest,
         )
         measured = record["model_state"]
         for key, want in expected.items():
-            assert abs(measured[key] - want) <= 0.05 * want, f"rank {rank} {key}: measured {measured[key]}, formula {want}"
+            assert abs(measured[key] - want) <= 0.05 * want, (
+                f"rank {rank} {key}: measured {measured[key]}, formula {want}"
+            )
 
 
 def test_sampler_splits_data_over_data_parallel_only(group4) -> None:

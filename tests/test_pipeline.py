@@ -23,7 +23,13 @@ SCHEDULES = {
 
 
 def _pp(pp: int, schedule: str, m: int, **more: Any) -> dict[str, Any]:
-    return {"pipeline_parallel_size": pp, "pipeline_schedule": schedule, "num_microbatches": m, **SCHEDULES[schedule], **more}
+    return {
+        "pipeline_parallel_size": pp,
+        "pipeline_schedule": schedule,
+        "num_microbatches": m,
+        **SCHEDULES[schedule],
+        **more,
+    }
 
 
 LAYERS4 = {"n_layer": 4}
@@ -31,60 +37,127 @@ LAYERS8 = {"n_layer": 8}
 WORLD2 = [
     *[scenario(f"pp2-{s}", "nanogpt", _pp(2, s, 2), 1, model_kwargs=LAYERS4) for s in SCHEDULES],
     scenario("pp2-tied", "nanogpt", _pp(2, "1f1b", 4), 1, model_kwargs={**LAYERS4, "tie_weights": True}),
-    scenario("pp2-parameters-partition", "nanogpt", _pp(2, "1f1b", 2, pipeline_partition="parameters"), 1,
-             model_kwargs={"n_layer": 5}),  # fmt: skip
-    scenario("pp2-profile-partition", "nanogpt", _pp(2, "1f1b", 2, pipeline_partition="profile"), 1,
-             model_kwargs={"n_layer": 5}),  # fmt: skip
+    scenario(
+        "pp2-parameters-partition",
+        "nanogpt",
+        _pp(2, "1f1b", 2, pipeline_partition="parameters"),
+        1,
+        model_kwargs={"n_layer": 5},
+    ),  # fmt: skip
+    scenario(
+        "pp2-profile-partition",
+        "nanogpt",
+        _pp(2, "1f1b", 2, pipeline_partition="profile"),
+        1,
+        model_kwargs={"n_layer": 5},
+    ),  # fmt: skip
     scenario("error-too-many-stages", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs={"n_layer": 1}, expect_error=True),
     scenario("error-batch-not-divisible", "nanogpt", _pp(2, "gpipe", 3), 1, model_kwargs=LAYERS4, expect_error=True),
-    scenario("error-virtual-not-dividing", "nanogpt", _pp(2, "interleaved_1f1b", 2), 1, model_kwargs={"n_layer": 6},
-             expect_error=True),  # fmt: skip
+    scenario(
+        "error-virtual-not-dividing",
+        "nanogpt",
+        _pp(2, "interleaved_1f1b", 2),
+        1,
+        model_kwargs={"n_layer": 6},
+        expect_error=True,
+    ),  # fmt: skip
 ]
 WORLD4 = [
     *[scenario(f"pp4-{s}", "nanogpt", _pp(4, s, 4), 1, model_kwargs=LAYERS8) for s in SCHEDULES],
-    scenario("llama-pp2-tp2", "llama", {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2}, 1,
-             model_kwargs={"num_hidden_layers": 4}),  # fmt: skip
+    scenario(
+        "llama-pp2-tp2",
+        "llama",
+        {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2},
+        1,
+        model_kwargs={"num_hidden_layers": 4},
+    ),  # fmt: skip
     *[
-        scenario(f"pp2-dp2-zero{z}-m{m}", "nanogpt", {**_pp(2, "1f1b", m), "zero_stage": z}, 2, model_kwargs=LAYERS4,
-                 count_collectives=True)  # fmt: skip
+        scenario(
+            f"pp2-dp2-zero{z}-m{m}",
+            "nanogpt",
+            {**_pp(2, "1f1b", m), "zero_stage": z},
+            2,
+            model_kwargs=LAYERS4,
+            count_collectives=True,
+        )  # fmt: skip
         for z in (0, 1, 2)
         for m in (2, 4)
     ],
     *[
-        scenario(f"pp2-dp2-zero3-{sync}-m{m}", "nanogpt", {**_pp(2, "1f1b", m), "zero_stage": 3, "zero3_gradient_sync": sync},
-                 2, model_kwargs=LAYERS4, count_collectives=True)  # fmt: skip
+        scenario(
+            f"pp2-dp2-zero3-{sync}-m{m}",
+            "nanogpt",
+            {**_pp(2, "1f1b", m), "zero_stage": 3, "zero3_gradient_sync": sync},
+            2,
+            model_kwargs=LAYERS4,
+            count_collectives=True,
+        )  # fmt: skip
         for sync in ("per_step", "per_microbatch")
         for m in (2, 4)
     ],
     scenario(
-        "pp2-dp2-callbacks", "nanogpt", _pp(2, "1f1b", 2), 2, model_kwargs=LAYERS4, steps=6, validate=2,
-        val_check_interval=3, logger="csv", trainer={"log_every_n_steps": 1},
+        "pp2-dp2-callbacks",
+        "nanogpt",
+        _pp(2, "1f1b", 2),
+        2,
+        model_kwargs=LAYERS4,
+        steps=6,
+        validate=2,
+        val_check_interval=3,
+        logger="csv",
+        trainer={"log_every_n_steps": 1},
         callbacks=[
-            {"kind": "ModelCheckpoint", "monitor": "val_loss", "save_top_k": 1, "save_last": True,
-             "filename": "{step}-{val_loss:.4f}"},
+            {
+                "kind": "ModelCheckpoint",
+                "monitor": "val_loss",
+                "save_top_k": 1,
+                "save_last": True,
+                "filename": "{step}-{val_loss:.4f}",
+            },
             {"kind": "EarlyStopping", "monitor": "val_loss", "patience": 100},
             {"kind": "LearningRateMonitor", "logging_interval": "step"},
         ],
     ),  # fmt: skip
 ]
 WORLD8 = [
-    scenario(f"tp2-pp2-dp2-zero{z}", "nanogpt", {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": z}, 2,
-             model_kwargs=LAYERS4)  # fmt: skip
+    scenario(
+        f"tp2-pp2-dp2-zero{z}",
+        "nanogpt",
+        {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": z},
+        2,
+        model_kwargs=LAYERS4,
+    )  # fmt: skip
     for z in (1, 2, 3)
 ]
 WORLD8.append(
-    scenario("tp2-pp2-dp2-zero3-per-microbatch", "nanogpt",
-             {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": 3, "zero3_gradient_sync": "per_microbatch"},
-             2, model_kwargs=LAYERS4)  # fmt: skip
+    scenario(
+        "tp2-pp2-dp2-zero3-per-microbatch",
+        "nanogpt",
+        {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": 3, "zero3_gradient_sync": "per_microbatch"},
+        2,
+        model_kwargs=LAYERS4,
+    )  # fmt: skip
 )
 WORLD8 += [
-    scenario(f"tp2-pp2-dp2-zero{z}-clip", "nanogpt", {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": z},
-             2, model_kwargs=LAYERS4, trainer={"gradient_clip_val": 0.05})  # fmt: skip
+    scenario(
+        f"tp2-pp2-dp2-zero{z}-clip",
+        "nanogpt",
+        {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": z},
+        2,
+        model_kwargs=LAYERS4,
+        trainer={"gradient_clip_val": 0.05},
+    )  # fmt: skip
     for z in (1, 3)
 ]
 WORLD2.append(
-    scenario("pp2-tied-clip", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs={**LAYERS4, "tie_weights": True},
-             trainer={"gradient_clip_val": 0.05})  # fmt: skip
+    scenario(
+        "pp2-tied-clip",
+        "nanogpt",
+        _pp(2, "1f1b", 2),
+        1,
+        model_kwargs={**LAYERS4, "tie_weights": True},
+        trainer={"gradient_clip_val": 0.05},
+    )  # fmt: skip
 )
 TIED_CLIP = {"pp2-tied-clip": {"model.lm_head.weight": "model.wte.weight"}}
 GROUPS = {2: WORLD2, 4: WORLD4, 8: WORLD8}
@@ -178,7 +251,10 @@ def test_bad_pipeline_configuration_raises_on_every_rank(pipeline_groups, name: 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"pipeline_parallel_size": 4, "num_microbatches": 2}, r"num_microbatches=2` is smaller than `pipeline_parallel_size=4"),
+        (
+            {"pipeline_parallel_size": 4, "num_microbatches": 2},
+            r"num_microbatches=2` is smaller than `pipeline_parallel_size=4",
+        ),
         ({"pipeline_schedule": "zigzag"}, r"pipeline_schedule='zigzag'` is not one of"),
         ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b"}, r"set `virtual_pipeline_size` >= 2"),
         ({"pipeline_parallel_size": 2, "virtual_pipeline_size": 2}, r"needs an interleaved schedule"),
@@ -215,7 +291,9 @@ class _HeavyHeadNet(__import__("torch").nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks))
-        self.head = nn.Sequential(nn.Linear(width, 8 * width), nn.GELU(), nn.Linear(8 * width, 8 * width), nn.Linear(8 * width, vocab))
+        self.head = nn.Sequential(
+            nn.Linear(width, 8 * width), nn.GELU(), nn.Linear(8 * width, 8 * width), nn.Linear(8 * width, vocab)
+        )
 
     def forward(self, x):
         h = self.embed(x)

@@ -82,11 +82,19 @@ def run(scenario: dict, out_dir: Path) -> None:
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "val_history": val_history,
         "logged_columns": _logged_columns(out_dir / scenario["name"]),
-        "checkpoints": sorted(p.name for p in (out_dir / scenario["name"]).glob("*.ckpt")) if scenario.get("callbacks") else [],
+        "checkpoints": sorted(p.name for p in (out_dir / scenario["name"]).glob("*.ckpt"))
+        if scenario.get("callbacks")
+        else [],
     }
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"model_state": recorder.model_state[-1] if recorder.model_state else {},
-                                      "local_numel": result["local_numel"], "sampler": result["sampler"]})
+    dist.all_gather_object(
+        gathered,
+        {
+            "model_state": recorder.model_state[-1] if recorder.model_state else {},
+            "local_numel": result["local_numel"],
+            "sampler": result["sampler"],
+        },
+    )
     result["per_rank"] = gathered
     if dist.get_rank() == 0:
         torch.save(result, out_dir / f"{scenario['name']}.pt")

@@ -33,7 +33,9 @@ LAYOUT_KEY = "hybrid_layout"
 def _flat_state(zero: ShardedOptimizer, coordinates: str, dp_mesh: DeviceMesh) -> dict[str, Any]:
     """The ZeRO-1/2 optimizer's flat shards as DTensors over the data dimension (one key per pipeline/tensor
     coordinate, since each holds a different flat), and its hyper-parameters."""
-    out: dict[str, Any] = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]}
+    out: dict[str, Any] = {
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
+    }
     for index, group in enumerate(zero.groups):
         if group.master is None:
             continue
@@ -42,7 +44,9 @@ def _flat_state(zero: ShardedOptimizer, coordinates: str, dp_mesh: DeviceMesh) -
         for name, value in tensors.items():
             key = f"group{index}.{coordinates}.{name}"
             if isinstance(value, Tensor) and value.dim() > 0:
-                out[key] = DTensor.from_local(value, dp_mesh, [Shard(0)], run_check=False, shape=global_shape, stride=(1,))
+                out[key] = DTensor.from_local(
+                    value, dp_mesh, [Shard(0)], run_check=False, shape=global_shape, stride=(1,)
+                )
             else:
                 out[key] = value
     return out

@@ -6,8 +6,9 @@ the same error) without communicating.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 from lightning_hybrid.config import HybridConfigError
 
@@ -132,7 +133,11 @@ def partition_blocks(
         counts = _balanced(block_costs, stages, first_cost, last_cost)
         costs, start = [], 0
         for s, n in enumerate(counts):
-            c = sum(block_costs[start : start + n]) + (first_cost if s == 0 else 0.0) + (last_cost if s == stages - 1 else 0.0)
+            c = (
+                sum(block_costs[start : start + n])
+                + (first_cost if s == 0 else 0.0)
+                + (last_cost if s == stages - 1 else 0.0)
+            )
             costs.append(c)
             start += n
         return StagePlan(tuple(counts), owner, tuple(costs))

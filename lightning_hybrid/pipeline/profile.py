@@ -87,7 +87,9 @@ def stage_costs(
 
     def block_step(block: nn.Module, inputs: tuple[tuple, dict]) -> Any:
         block_args, block_kwargs = inputs
-        fresh = tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in block_args)
+        fresh = tuple(
+            a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in block_args
+        )
 
         def run() -> None:
             out = block(*fresh, **block_kwargs)

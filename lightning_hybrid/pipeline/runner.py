@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -108,7 +109,9 @@ class PipelineRunner:
         self.schedule_name, self.num_microbatches = schedule, num_microbatches
         self.activation_shape = activation_shape
         self._network_forward = network.forward
-        self.stages = {s: wrap_stage(StageModule(s, split.stage_modules(s), self._run_stage)) for s in split.local_stages()}
+        self.stages = {
+            s: wrap_stage(StageModule(s, split.stage_modules(s), self._run_stage)) for s in split.local_stages()
+        }
         self.last_stage = split.num_stages - 1
         self._cache: dict[tuple, Any] = {}
         self._step: Optional[_Step] = None
@@ -307,7 +310,9 @@ class PipelineRunner:
                 finally:
                     end = time.perf_counter()
                     label = "I" if kind == "B" and kwargs.get("full_backward") is False else kind
-                    self.timeline.events.append((label, stage.stage_index, chunk, begin - self._clock, end - self._clock))
+                    self.timeline.events.append(
+                        (label, stage.stage_index, chunk, begin - self._clock, end - self._clock)
+                    )
 
             return run
 

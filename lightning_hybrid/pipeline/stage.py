@@ -14,9 +14,10 @@ forward tolerates missing modules (torchtitan writes its models that way).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn

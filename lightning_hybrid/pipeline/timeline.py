@@ -43,10 +43,11 @@ def to_chrome_trace(timelines: list[StepTimeline], path: Optional[Union[str, Pat
     for t in timelines:
         events.append({"name": "process_name", "ph": "M", "pid": t.rank, "args": {"name": f"rank {t.rank}"}})
         for kind, stage, mb, start, end in t.events:
-            events.append({"name": f"{kind}{mb}", "cat": kind, "ph": "X", "pid": t.rank, "tid": stage,
-                           "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"stage": stage, "microbatch": mb}})  # fmt: skip
-        events.append({"name": "step", "cat": "step", "ph": "X", "pid": t.rank, "tid": -1, "ts": 0,
-                       "dur": t.step_time * 1e6, "args": {"bubble_fraction": t.bubble_fraction}})  # fmt: skip
+            slice_ = {"name": f"{kind}{mb}", "cat": kind, "ph": "X", "pid": t.rank, "tid": stage, "ts": start * 1e6}
+            slice_.update(dur=(end - start) * 1e6, args={"stage": stage, "microbatch": mb})
+            events.append(slice_)
+        step = {"name": "step", "cat": "step", "ph": "X", "pid": t.rank, "tid": -1, "ts": 0, "dur": t.step_time * 1e6}
+        events.append({**step, "args": {"bubble_fraction": t.bubble_fraction}})
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     if path is not None:
         Path(path).write_text(json.dumps(trace))

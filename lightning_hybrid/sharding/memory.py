@@ -36,7 +36,11 @@ def measure_model_state_bytes(
     else:
         out["gradients"] = sum(_nbytes(p.grad) for p in params if p.grad is not None)
         out["optimizer_state"] = sum(
-            _nbytes(t) for opt in optimizers for s in opt.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim() > 0
+            _nbytes(t)
+            for opt in optimizers
+            for s in opt.state.values()
+            for t in s.values()
+            if isinstance(t, Tensor) and t.dim() > 0
         )
     out["total"] = out["parameters"] + out["gradients"] + out["optimizer_state"]
     return out
@@ -65,8 +69,24 @@ def expected_model_state_bytes(
     dp = data_parallel_size
     optimizer = optimizer_states * state_bytes
     return {
-        0: {"parameters": param_bytes * local_numel, "gradients": grad_bytes * local_numel, "optimizer_state": optimizer * local_numel},
-        1: {"parameters": param_bytes * local_numel, "gradients": grad_bytes * local_numel, "optimizer_state": (master_bytes + optimizer) * local_numel / dp},
-        2: {"parameters": param_bytes * local_numel, "gradients": grad_bytes * local_numel / dp, "optimizer_state": (master_bytes + optimizer) * local_numel / dp},
-        3: {"parameters": param_bytes * local_numel / dp, "gradients": grad_bytes * local_numel / dp, "optimizer_state": optimizer * local_numel / dp},
+        0: {
+            "parameters": param_bytes * local_numel,
+            "gradients": grad_bytes * local_numel,
+            "optimizer_state": optimizer * local_numel,
+        },
+        1: {
+            "parameters": param_bytes * local_numel,
+            "gradients": grad_bytes * local_numel,
+            "optimizer_state": (master_bytes + optimizer) * local_numel / dp,
+        },
+        2: {
+            "parameters": param_bytes * local_numel,
+            "gradients": grad_bytes * local_numel / dp,
+            "optimizer_state": (master_bytes + optimizer) * local_numel / dp,
+        },
+        3: {
+            "parameters": param_bytes * local_numel / dp,
+            "gradients": grad_bytes * local_numel / dp,
+            "optimizer_state": optimizer * local_numel / dp,
+        },
     }[zero_stage]

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GradientSync", "ShardedOptimizer", "apply_fully_shard", "local_grad", "local_tensor"]
 
+
 def _reduce_scatter(output: Tensor, input: Tensor, group: Any) -> None:
     # torch 2.13 renamed the flat collectives; 2.11/2.12 only have the old names (looked up per call, so tools that
     # wrap torch.distributed, like the tests' collective counter, see them)
@@ -64,7 +65,10 @@ def _all_reduce_mean(flat: Tensor, group: Any, size: int) -> None:
 
 
 def _flat_grads(params: list[nn.Parameter], pad_to: int = 0) -> Tensor:
-    pieces = [g.reshape(-1) if (g := local_grad(p)) is not None else local_tensor(p).new_zeros(local_tensor(p).numel()) for p in params]
+    pieces = [
+        g.reshape(-1) if (g := local_grad(p)) is not None else local_tensor(p).new_zeros(local_tensor(p).numel())
+        for p in params
+    ]
     flat = torch.cat(pieces) if pieces else torch.zeros(0)
     if pad_to > flat.numel():
         flat = torch.cat([flat, flat.new_zeros(pad_to - flat.numel())])
@@ -212,7 +216,7 @@ class ShardedOptimizer:
         self._flat_grads = []
 
     def gathered_gradients(self) -> list[Optional[Tensor]]:
-        """Each model parameter's data-parallel-reduced local gradient (for inspection and tests), in ``model_parameters`` order."""
+        """Each parameter's data-parallel-reduced local gradient, in ``model_parameters`` order (for inspection)."""
         out: list[Optional[Tensor]] = []
         for g, flat in zip(self.groups, self._flat_grads or [None] * len(self.groups)):
             if self.stage == 0:
@@ -236,10 +240,18 @@ class ShardedOptimizer:
 
     def gradient_bytes(self) -> int:
         if self.stage == 0:
-            return sum(local_tensor(p.grad).numel() * p.grad.element_size() for p in self.model_parameters if p.grad is not None)
+            return sum(
+                local_tensor(p.grad).numel() * p.grad.element_size()
+                for p in self.model_parameters
+                if p.grad is not None
+            )
         if self.stage == 1:
             return sum(f.numel() * f.element_size() for f in self._flat_grads if f is not None)
-        return sum(g.master.grad.numel() * g.master.grad.element_size() for g in self.groups if g.master is not None and g.master.grad is not None)
+        return sum(
+            g.master.grad.numel() * g.master.grad.element_size()
+            for g in self.groups
+            if g.master is not None and g.master.grad is not None
+        )
 
 
 def _strided(p: nn.Parameter) -> bool:

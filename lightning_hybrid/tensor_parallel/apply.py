@@ -34,7 +34,7 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
         module = root.get_submodule(name)
         if isinstance(module, nn.Linear):
             if isinstance(style, FusedColwiseParallel):
-                dim, what, size = module.out_features // style.num_blocks, "out_features per fused block", None
+                dim, what = module.out_features // style.num_blocks, "out_features per fused block"
             elif isinstance(style, ColwiseParallel):
                 dim, what = module.out_features, "out_features"
             elif isinstance(style, RowwiseParallel):

@@ -24,7 +24,19 @@ COLWISE_NAMES = {
     "q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
     "c_fc", "fc1", "fc_in", "up_proj", "gate_proj", "w1", "w3", "dense_h_to_4h",
 }  # fmt: skip
-ROWWISE_NAMES = {"o_proj", "out_proj", "c_proj", "dense", "wo", "proj", "fc2", "fc_out", "down_proj", "w2", "dense_4h_to_h"}
+ROWWISE_NAMES = {
+    "o_proj",
+    "out_proj",
+    "c_proj",
+    "dense",
+    "wo",
+    "proj",
+    "fc2",
+    "fc_out",
+    "down_proj",
+    "w2",
+    "dense_4h_to_h",
+}
 # Fused projections: how many equal column blocks the output holds (q|k|v -> 3, gate|up -> 2).
 FUSED_NAMES = {"c_attn": 3, "qkv": 3, "qkv_proj": 3, "Wqkv": 3, "in_proj": 3, "gate_up_proj": 2, "w13": 2}
 # Attributes that count attention heads: divided by the tensor-parallel size on the attention module, because after a
@@ -60,7 +72,9 @@ class FusedColwiseParallel(ColwiseParallel):
             module.register_parameter(pname, dist_param)
 
     @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any
+    ) -> Any:
         # the local block is already [q_r | k_r | v_r]: no redistribution, whatever the strided placement says
         return outputs.to_local() if use_local_output else outputs
 
@@ -186,7 +200,10 @@ def _style_from_string(style: str, name: str) -> ParallelStyle:
 
 
 def _pattern_plan(
-    root: nn.Module, structure: ModelStructure, patterns: dict[str, Union[str, ParallelStyle]], vocab_parallel_loss: bool
+    root: nn.Module,
+    structure: ModelStructure,
+    patterns: dict[str, Union[str, ParallelStyle]],
+    vocab_parallel_loss: bool,
 ) -> TensorParallelPlan:
     plan = TensorParallelPlan()
     names = [n for n, _ in root.named_modules() if n]
@@ -210,7 +227,9 @@ def _pattern_plan(
     vocab = TensorParallelPlan()
     _vocab_styles(vocab, structure, vocab_parallel_loss)
     for name, style in vocab.styles.items():
-        if (name == structure.output_head_name and not head_given) or (name == structure.token_embedding_name and not emb_given):
+        if (name == structure.output_head_name and not head_given) or (
+            name == structure.token_embedding_name and not emb_given
+        ):
             plan.styles[name] = style
             if name == structure.output_head_name:
                 plan.vocab_parallel_head = vocab.vocab_parallel_head
