@@ -72,15 +72,18 @@ def make_dataset() -> TensorDataset:
     return TensorDataset(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
 
 
-def reference_loader(dataset: TensorDataset, data_parallel_size: int, batch_size: int) -> DataLoader:
+def reference_loader(dataset: TensorDataset, data_parallel_size: int, batch_size: int, epochs: int = 1) -> DataLoader:
     """The global batches a data-parallel run sees: step s concatenates every replica's s-th batch, in rank order, as
-    Lightning's DistributedSampler (shuffled, seeded by the global seed) hands them out."""
-    per_rank = []
-    for rank in range(data_parallel_size):
-        sampler = DistributedSampler(dataset, num_replicas=data_parallel_size, rank=rank, shuffle=True, seed=SEED)
-        per_rank.append(list(sampler))
-    steps = len(per_rank[0]) // batch_size
-    batches = [sum((idx[s * batch_size : (s + 1) * batch_size] for idx in per_rank), []) for s in range(steps)]
+    Lightning's DistributedSampler (shuffled, seeded by the global seed, reshuffled per epoch) hands them out."""
+    batches = []
+    for epoch in range(epochs):
+        per_rank = []
+        for rank in range(data_parallel_size):
+            sampler = DistributedSampler(dataset, num_replicas=data_parallel_size, rank=rank, shuffle=True, seed=SEED)
+            sampler.set_epoch(epoch)
+            per_rank.append(list(sampler))
+        steps = -(-len(per_rank[0]) // batch_size)  # the DataLoader keeps a last, smaller batch
+        batches += [sum((idx[s * batch_size : (s + 1) * batch_size] for idx in per_rank), []) for s in range(steps)]
     return DataLoader(dataset, batch_sampler=batches)
 
 
@@ -108,7 +111,7 @@ class Recorder(L.Callback):
             # single device: the norm Lightning's clipping is about to use (gradients are not clipped yet here)
             grads = [p.grad.double() for p in {id(p): p for p in pl_module.parameters()}.values() if p.grad is not None]
             self.norms.append(float(torch.sqrt(sum(g.pow(2).sum() for g in grads))))
-        if trainer.global_step == 0:
+        if trainer.global_step == 0 and not getattr(self, "grads_locked", False):
             strategy = trainer.strategy
             if hasattr(strategy, "full_gradients"):
                 self.grads = {k: v.detach().clone().cpu() for k, v in strategy.full_gradients().items()}
@@ -147,7 +150,8 @@ def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
     model = "nanogpt" if scenario["model"] == "nanogpt_user_tp" else scenario["model"]
     module = build_module(model, **scenario.get("model_kwargs", {}))
     dp = scenario["data_parallel_size"]
-    loader = reference_loader(make_dataset(), dp, scenario["batch_size"])
+    per_epoch = -(-NUM_SAMPLES // (dp * scenario["batch_size"]))
+    loader = reference_loader(make_dataset(), dp, scenario["batch_size"], epochs=-(-scenario["steps"] // per_epoch))
     recorder = Recorder()
     kwargs = {**trainer_kwargs(scenario["steps"]), **scenario.get("trainer", {})}
     trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[recorder], **kwargs)

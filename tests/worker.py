@@ -63,7 +63,21 @@ def run(scenario: dict, out_dir: Path) -> None:
         val_loader = torch.utils.data.DataLoader(make_dataset(), batch_size=scenario["batch_size"])
         trainer.limit_val_batches = scenario["validate"]
         trainer.val_check_interval = scenario.get("val_check_interval", 1.0)
-    trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
+    resume_after = scenario.get("resume_after")
+    if resume_after:
+        # stop after `resume_after` steps and save; then a new module, strategy and Trainer resume from the
+        # checkpoint to the full step count (the recorder keeps the losses of both parts)
+        trainer.fit_loop.epoch_loop.max_steps = resume_after
+        trainer.fit(module, train_dataloaders=loader)
+        path = out_dir / scenario["name"] / "resume.ckpt"
+        trainer.save_checkpoint(path)
+        module = build_module(scenario["model"], **{**scenario.get("model_kwargs", {}), "learning_rate": 0.5})
+        strategy = HybridStrategy(**scenario["strategy"])
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[_Bind(), recorder], **kwargs)
+        recorder.grads_locked = True
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=str(path))
+    else:
+        trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
     # under pipeline parallel each rank holds its stages' parameters only: merge every rank's view
     views: list = [None] * world
     dist.all_gather_object(views, (full_parameters(module), recorder.grads))
