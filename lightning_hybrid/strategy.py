@@ -39,6 +39,7 @@ from typing_extensions import override
 from lightning_hybrid.checkpoint import LAYOUT_KEY, load_sharded, save_sharded
 from lightning_hybrid.checkpoint import optimizer_state as checkpoint_optimizer_state
 from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pipeline, check_sizes
+from lightning_hybrid.data import SkipOnResume
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network, to_plain
 from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.precision import HybridPrecision
@@ -472,6 +473,18 @@ class HybridStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        epoch_loop = trainer.fit_loop.epoch_loop
+        # batches of the interrupted epoch whose step finished (a checkpoint is taken in on_train_batch_end, before
+        # Lightning counts the batch "completed"); none to skip when the epoch itself had finished
+        done = epoch_loop.batch_progress.current.processed
+        size = len(dataloader) if hasattr(dataloader, "__len__") else None
+        if trainer.training and trainer.fit_loop.restarting and 0 < done and (size is None or done < size):
+            return SkipOnResume(dataloader, done)
+        return dataloader
 
     # ------------------------------------------------------------------ steps
     def _loss_context(self) -> AbstractContextManager:

@@ -103,6 +103,7 @@ class Recorder(L.Callback):
         self.data_group, self.data_size = data_group, data_size
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.batch_fingerprints: list[int] = []
         self.grads: dict[str, torch.Tensor] = {}
         self.model_state: list[dict[str, int]] = []
 
@@ -121,6 +122,7 @@ class Recorder(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self.batch_fingerprints.append(int(batch[0].sum()) if isinstance(batch, (list, tuple)) else -1)
         loss = outputs["loss"].detach().clone().float()
         if self.data_group is not None and self.data_size > 1:
             torch.distributed.all_reduce(loss, group=self.data_group)

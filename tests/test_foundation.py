@@ -59,6 +59,9 @@ WORLD2 = [
         expect_error=True,
         model_kwargs={"n_head": 3, "n_embd": 48},
     ),  # fmt: skip
+    # stop mid-epoch at step 3 (ModelCheckpoint), resume in a new Trainer to step 10: exact continuation
+    scenario("nanogpt-dp2-zero3-resume", "nanogpt", {"zero_stage": 3}, 2, resume_after=3, batch_size=16),
+    scenario("nanogpt-dp2-zero1-resume", "nanogpt", {"zero_stage": 1}, 2, resume_after=3, batch_size=16),
     # gradients clipped by the global norm (small enough to clip every step), ZeRO-2 over data
     scenario("nanogpt-dp2-zero2-clip", "nanogpt", {"zero_stage": 2}, 2, trainer={"gradient_clip_val": 0.05}),
     scenario(
@@ -105,9 +108,9 @@ def group4(tmp_path_factory: pytest.TempPathFactory):
 
 
 @functools.cache
-def reference(model: str, model_kwargs: tuple, dp: int, trainer: tuple = ()) -> dict[str, Any]:
+def reference(model: str, model_kwargs: tuple, dp: int, trainer: tuple = (), batch_size: int = BATCH) -> dict[str, Any]:
     return run_reference({"model": model, "model_kwargs": dict(model_kwargs), "data_parallel_size": dp,
-                          "batch_size": BATCH, "steps": STEPS, "trainer": dict(trainer)})  # fmt: skip
+                          "batch_size": batch_size, "steps": STEPS, "trainer": dict(trainer)})  # fmt: skip
 
 
 def _result_and_reference(request: pytest.FixtureRequest, scenario: dict[str, Any]):
@@ -122,6 +125,7 @@ def reference_for(scenario: dict[str, Any]) -> dict[str, Any]:
         tuple(sorted(scenario["model_kwargs"].items())),
         scenario["data_parallel_size"],
         tuple(sorted(scenario.get("trainer", {}).items())),
+        scenario["batch_size"],
     )
     return {k: (dict(v) if isinstance(v, dict) else v) for k, v in ref.items()}
 

@@ -149,6 +149,18 @@ WORLD8 += [
     )  # fmt: skip
     for z in (1, 3)
 ]
+WORLD8 += [
+    scenario(
+        f"tp2-pp2-dp2-zero{z}-resume",
+        "nanogpt",
+        {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": z},
+        2,
+        model_kwargs=LAYERS4,
+        resume_after=3,
+        batch_size=16,
+    )  # fmt: skip
+    for z in (1, 3)
+]
 WORLD2.append(
     scenario(
         "pp2-tied-clip",

@@ -29,7 +29,7 @@ def run(scenario: dict, out_dir: Path) -> None:
     loader = torch.utils.data.DataLoader(make_dataset(), batch_size=scenario["batch_size"], shuffle=True)
     recorder = Recorder()
     kwargs = {**trainer_kwargs(scenario["steps"]), **scenario.get("trainer", {})}
-    if scenario.get("callbacks"):
+    if scenario.get("callbacks") or scenario.get("resume_after"):
         kwargs["enable_checkpointing"] = True
     if scenario.get("logger") == "csv":
         from lightning.pytorch.loggers import CSVLogger
@@ -65,15 +65,21 @@ def run(scenario: dict, out_dir: Path) -> None:
         trainer.val_check_interval = scenario.get("val_check_interval", 1.0)
     resume_after = scenario.get("resume_after")
     if resume_after:
-        # stop after `resume_after` steps and save; then a new module, strategy and Trainer resume from the
-        # checkpoint to the full step count (the recorder keeps the losses of both parts)
+        # a ModelCheckpoint saves at step `resume_after` (inside the loop, as in real runs); the run stops there, and
+        # a new module, strategy and Trainer resume from that checkpoint to the full step count
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        directory = out_dir / scenario["name"]
+        saver = ModelCheckpoint(dirpath=str(directory), every_n_train_steps=resume_after, save_top_k=-1)
+        trainer.callbacks.append(saver)
         trainer.fit_loop.epoch_loop.max_steps = resume_after
         trainer.fit(module, train_dataloaders=loader)
-        path = out_dir / scenario["name"] / "resume.ckpt"
-        trainer.save_checkpoint(path)
+        path = next(directory.glob(f"*step={resume_after}*.ckpt"))
         module = build_module(scenario["model"], **{**scenario.get("model_kwargs", {}), "learning_rate": 0.5})
         strategy = HybridStrategy(**scenario["strategy"])
-        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[_Bind(), recorder], **kwargs)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy=strategy, callbacks=[_Bind(), recorder], **kwargs
+        )
         recorder.grads_locked = True
         trainer.fit(module, train_dataloaders=loader, ckpt_path=str(path))
     else:
@@ -86,6 +92,7 @@ def run(scenario: dict, out_dir: Path) -> None:
     result = {
         "losses": recorder.losses,
         "norms": recorder.norms,
+        "batch_fingerprints": recorder.batch_fingerprints,
         "grads": recorder.grads,
         "params": params,
         "model_state": recorder.model_state,
