@@ -30,6 +30,50 @@ META_FILENAME = "meta.pt"
 LAYOUT_KEY = "hybrid_layout"
 
 
+def _is_strided(placement: Any) -> bool:
+    return type(placement).__name__ == "_StridedShard"
+
+
+def _unstrided(t: DTensor) -> DTensor:
+    """A fused projection's DTensor (``_StridedShard(0, k)`` over tensor ranks, which DCP cannot lay out) as the
+    same storage viewed ``[k, rows/k, ...]`` with a plain ``Shard(1)``: each rank's rows are one contiguous slab per
+    block in that view, so DCP saves, loads and reshards it like any sharded tensor."""
+    index = next(i for i, p in enumerate(t.placements) if _is_strided(p))
+    k = t.placements[index].split_factor
+    local = t.to_local()
+    placements = []
+    for i, p in enumerate(t.placements):
+        if i == index:
+            placements.append(Shard(1))
+        elif p.is_shard():
+            placements.append(Shard(p.dim + 1))  # a later dimension shifts by the added block dimension
+        else:
+            placements.append(p)
+    shape = (k, t.shape[0] // k, *t.shape[1:])
+    view = local.view(k, local.shape[0] // k, *local.shape[1:])
+    return DTensor.from_local(view, t.device_mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape))
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+def dcp_ready(tree: Any) -> Any:
+    """``tree`` with every strided (fused-projection) DTensor replaced by its DCP-friendly view; the views share
+    storage with the originals, so a DCP load into the result fills the originals in place."""
+    if isinstance(tree, DTensor):
+        return _unstrided(tree) if any(_is_strided(p) for p in tree.placements) else tree
+    if isinstance(tree, dict):
+        return {k: dcp_ready(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [dcp_ready(v) for v in tree]
+    return tree
+
+
 def _flat_state(zero: ShardedOptimizer, coordinates: str, dp_mesh: DeviceMesh) -> dict[str, Any]:
     """The ZeRO-1/2 optimizer's flat shards as DTensors over the data dimension (one key per pipeline/tensor
     coordinate, since each holds a different flat), and its hyper-parameters."""
@@ -79,7 +123,11 @@ def optimizer_state(
         return _flat_state(zero, coordinates, dp_mesh)
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(module, optimizer)
+    state = dict(get_optimizer_state_dict(module, optimizer))
+    # param_groups list each group's parameter names, which differ between pipeline stages; DCP keeps one copy of a
+    # non-tensor entry, so each coordinate gets its own key
+    state[f"param_groups.{coordinates}"] = state.pop("param_groups")
+    return state
 
 
 def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], is_rank_zero: bool) -> None:
@@ -87,7 +135,7 @@ def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], is_ran
     import torch.distributed.checkpoint as dcp
 
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(dcp_ready(state), checkpoint_id=str(path))
     if is_rank_zero:
         torch.save(meta, path / META_FILENAME)
 
@@ -127,7 +175,10 @@ def load_sharded(
         if zero is not None and zero.stage > 0:
             _ensure_state(zero)
         state[f"optimizer_{index}"] = optimizer_state(module, optimizer, zero, coordinates, dp_mesh)
-    dcp.load(state, checkpoint_id=str(path))
+    # DCP loads in place: into the parameters' and optimizer state's own storage (through dcp_ready's views)
+    ready = dcp_ready(state)
+    dcp.load(ready, checkpoint_id=str(path))
+    _take_loaded_values(ready, state)  # DCP replaces non-tensor entries (hyper-parameters) in the dict it was given
     module.load_state_dict(state["state_dict"], strict=strict)
     for index, (optimizer, zero) in enumerate(zip(optimizers, zeros)):
         loaded = state[f"optimizer_{index}"]
@@ -136,8 +187,31 @@ def load_sharded(
                 group.update(saved)
             _restore_scalars(zero, loaded, coordinates)
         else:
+            loaded = dict(loaded)
+            loaded["param_groups"] = loaded.pop(f"param_groups.{coordinates}")
             set_optimizer_state_dict(module, optimizer, loaded)
     return {k: v for k, v in meta.items() if k != LAYOUT_KEY}
+
+
+def _take_loaded_values(loaded: Any, target: Any) -> None:
+    """Copy the non-tensor leaves DCP loaded (hyper-parameters, counters) into ``target``, keeping its structure."""
+    items = loaded.items() if isinstance(loaded, dict) else enumerate(loaded)
+    for key, value in items:
+        if isinstance(target, list):
+            index = int(key)
+            if index >= len(target):
+                continue
+            current = target[index]
+        elif isinstance(target, dict) and key in target:
+            current = target[key]
+        else:
+            continue
+        if isinstance(current, (dict, list)) and isinstance(value, (dict, list)):
+            _take_loaded_values(value, current)
+        elif not isinstance(current, Tensor) and not isinstance(value, (dict, list, Tensor)):
+            target[key if not isinstance(target, list) else int(key)] = value
+        elif isinstance(current, tuple) and isinstance(value, (list, tuple)):
+            target[key] = tuple(value)
 
 
 def _restore_scalars(zero: ShardedOptimizer, loaded: dict[str, Any], coordinates: str) -> None:
