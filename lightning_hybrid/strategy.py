@@ -178,6 +178,7 @@ class HybridStrategy(ParallelStrategy):
         self._tied_sync: Optional[Callable[[], None]] = None
         self._tied_duplicates: list[nn.Parameter] = []
         self._gradient_norm: Optional[GradientNorm] = None
+        self._parallelized: Optional[nn.Module] = None
         self.last_gradient_norm: Optional[float] = None
         """The global gradient norm (before clipping) at the last step clipped by norm."""
         self.model_state_bytes: dict[str, int] = {}
@@ -275,7 +276,11 @@ class HybridStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self._check_unsupported(trainer)
-        self._parallelize(module)
+        # Lightning calls setup again for each entry point (fit, validate, test, predict) on the same module: the
+        # model is split and sharded once
+        if self._parallelized is not module:
+            self._parallelize(module)
+            self._parallelized = module
         # Lightning's model summary runs example_input_array through the model on rank 0 alone: a split model's
         # forward is a collective (TP/ZeRO-3) or needs other stages, so it would hang or fail. Hidden until teardown.
         self._example_input_array, module.example_input_array = module.example_input_array, None

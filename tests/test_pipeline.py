@@ -171,6 +171,7 @@ WORLD2.append(
         trainer={"gradient_clip_val": 0.05},
     )  # fmt: skip
 )
+WORLD2.append(scenario("pp2-predict", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs=LAYERS4, predict=True))
 TIED_CLIP = {"pp2-tied-clip": {"model.lm_head.weight": "model.wte.weight"}}
 GROUPS = {2: WORLD2, 4: WORLD4, 8: WORLD8}
 PARITY = [s for group in GROUPS.values() for s in group if not s.get("expect_error") and not s.get("callbacks")]
@@ -207,6 +208,25 @@ def test_data_parallel_collectives_do_not_grow_with_microbatches(pipeline_groups
     counts = {m: group.get(f"pp2-dp2-zero{zero_stage}-m{m}")["collectives"] for m in (2, 4)}
     assert counts[2] and all(c > 0 for c in counts[2]), counts
     assert counts[2] == counts[4], f"data-parallel collectives per step changed with num_microbatches: {counts}"
+
+
+@pytest.mark.timeout(1200)
+def test_predict_runs_through_the_pipeline_and_returns_outputs_on_every_rank(pipeline_groups) -> None:
+    """trainer.predict under pp=2: forward-only schedule; the last stage's logits reach rank 0 (a first-stage rank)
+    and equal the single-device model's logits for the same final weights."""
+    import torch
+
+    from tests.harness import build_module, make_dataset
+
+    case = next(s for s in WORLD2 if s["name"] == "pp2-predict")
+    result = pipeline_groups(2).get("pp2-predict")
+    module = build_module("nanogpt", **case["model_kwargs"])
+    module.load_state_dict(result["params"])
+    inputs = torch.stack([make_dataset()[i][0] for i in range(8)])
+    with torch.no_grad():
+        expected = module(inputs)
+    assert result["predictions"].shape == expected.shape
+    assert torch.allclose(result["predictions"], expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(1200)

@@ -84,6 +84,11 @@ def run(scenario: dict, out_dir: Path) -> None:
         trainer.fit(module, train_dataloaders=loader, ckpt_path=str(path))
     else:
         trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
+    predictions = None
+    if scenario.get("predict"):
+        subset = torch.utils.data.Subset(make_dataset(), range(8))
+        outputs = trainer.predict(module, dataloaders=torch.utils.data.DataLoader(subset, batch_size=4))
+        predictions = torch.cat([o.detach().cpu() for o in outputs])
     # under pipeline parallel each rank holds its stages' parameters only: merge every rank's view
     views: list = [None] * world
     dist.all_gather_object(views, (full_parameters(module), recorder.grads))
@@ -93,6 +98,7 @@ def run(scenario: dict, out_dir: Path) -> None:
         "losses": recorder.losses,
         "norms": recorder.norms,
         "batch_fingerprints": recorder.batch_fingerprints,
+        "predictions": predictions,
         "grads": recorder.grads,
         "params": params,
         "model_state": recorder.model_state,
@@ -190,6 +196,8 @@ def _tensor_parallel_local_numel(module: torch.nn.Module) -> int:
 
 
 def _sampler_record(trainer: L.Trainer) -> list[int]:
+    if trainer.train_dataloader is None:  # after trainer.predict
+        return []
     sampler = trainer.train_dataloader.sampler
     return list(iter(sampler))
 
