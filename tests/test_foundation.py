@@ -79,20 +79,11 @@ WORLD4 = [
         for z in (1, 3)
     ],
     *[scenario(f"{m}-tp4", m, {"tensor_parallel_size": 4}, 1) for m in MODELS],
-    scenario(
-        "nanogpt-tp2-dp2-zero3-clip",
-        "nanogpt",
-        {"tensor_parallel_size": 2, "zero_stage": 3},
-        2,
-        trainer={"gradient_clip_val": 0.05},
-    ),  # fmt: skip
-    scenario(
-        "nanogpt-tp2-dp2-zero0-clip",
-        "nanogpt",
-        {"tensor_parallel_size": 2, "zero_stage": 0},
-        2,
-        trainer={"gradient_clip_val": 0.05},
-    ),  # fmt: skip
+    *[
+        scenario(f"nanogpt-tp2-dp2-zero{z}-clip", "nanogpt", {"tensor_parallel_size": 2, "zero_stage": z}, 2,
+                 trainer={"gradient_clip_val": 0.05})  # fmt: skip
+        for z in (3, 0)
+    ],
 ]
 PARITY = [s for s in WORLD2 + WORLD4 if not s.get("expect_error")]
 

@@ -34,23 +34,14 @@ def _pp(pp: int, schedule: str, m: int, **more: Any) -> dict[str, Any]:
 
 LAYERS4 = {"n_layer": 4}
 LAYERS8 = {"n_layer": 8}
+LAYERS5 = {"n_layer": 5}
 WORLD2 = [
     *[scenario(f"pp2-{s}", "nanogpt", _pp(2, s, 2), 1, model_kwargs=LAYERS4) for s in SCHEDULES],
     scenario("pp2-tied", "nanogpt", _pp(2, "1f1b", 4), 1, model_kwargs={**LAYERS4, "tie_weights": True}),
-    scenario(
-        "pp2-parameters-partition",
-        "nanogpt",
-        _pp(2, "1f1b", 2, pipeline_partition="parameters"),
-        1,
-        model_kwargs={"n_layer": 5},
-    ),  # fmt: skip
-    scenario(
-        "pp2-profile-partition",
-        "nanogpt",
-        _pp(2, "1f1b", 2, pipeline_partition="profile"),
-        1,
-        model_kwargs={"n_layer": 5},
-    ),  # fmt: skip
+    *[
+        scenario(f"pp2-{p}-partition", "nanogpt", _pp(2, "1f1b", 2, pipeline_partition=p), 1, model_kwargs=LAYERS5)
+        for p in ("parameters", "profile")
+    ],
     scenario("error-too-many-stages", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs={"n_layer": 1}, expect_error=True),
     scenario("error-batch-not-divisible", "nanogpt", _pp(2, "gpipe", 3), 1, model_kwargs=LAYERS4, expect_error=True),
     scenario(
