@@ -80,8 +80,13 @@ WORLD4 = [
     ],
     *[scenario(f"{m}-tp4", m, {"tensor_parallel_size": 4}, 1) for m in MODELS],
     *[
-        scenario(f"nanogpt-tp2-dp2-zero{z}-clip", "nanogpt", {"tensor_parallel_size": 2, "zero_stage": z}, 2,
-                 trainer={"gradient_clip_val": 0.05})  # fmt: skip
+        scenario(
+            f"nanogpt-tp2-dp2-zero{z}-clip",
+            "nanogpt",
+            {"tensor_parallel_size": 2, "zero_stage": z},
+            2,
+            trainer={"gradient_clip_val": 0.05},
+        )  # fmt: skip
         for z in (3, 0)
     ],
 ]
