@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid.checkpoint import LAYOUT_KEY, load_sharded, save_sharded
+from lightning_hybrid.checkpoint import LAYOUT_KEY, VERSIONS_KEY, ShardedCheckpointWriter, load_sharded, read_meta
 from lightning_hybrid.checkpoint import optimizer_state as checkpoint_optimizer_state
 from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pipeline, check_sizes
 from lightning_hybrid.data import SkipOnResume
@@ -93,6 +93,10 @@ class HybridStrategy(ParallelStrategy):
             ``"per_microbatch"`` reduce-scatters and frees them after every micro-batch's backward.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
         timeout: timeout of collectives.
+        async_checkpoint: write checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save
+            copies this rank's shards to CPU memory and training goes on while they are written; the next save and
+            the end of training wait for it. The checkpoint appears under its name only once complete, as with
+            synchronous saves.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -121,6 +125,7 @@ class HybridStrategy(ParallelStrategy):
         zero3_gradient_sync: Literal["per_step", "per_microbatch"] = "per_step",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        async_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -168,6 +173,7 @@ class HybridStrategy(ParallelStrategy):
         self._transformer_blocks = transformer_blocks
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional[DeviceMesh] = None
         self._structure: Optional[ModelStructure] = None
@@ -634,39 +640,51 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        # collective under ZeRO-1/2 (each parameter's state is written by one replica): Lightning calls it on all ranks
         raw = getattr(optimizer, "_optimizer", optimizer)
-        return checkpoint_optimizer_state(
-            self.lightning_module, raw, self._sharded_for(raw), self._coordinates(), self.device_mesh["data"]
-        )
+        return checkpoint_optimizer_state(self.lightning_module, raw, self._sharded_for(raw))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        import lightning
+
         path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero and path.is_file():
-            path.unlink()
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[f"optimizer_{index}"] = optimizer_state
+        model_state = checkpoint.pop("state_dict")
+        optimizer_states = checkpoint.pop("optimizer_states", [])
         checkpoint[LAYOUT_KEY] = self.layout.as_dict()
-        save_sharded(path, state, checkpoint, self.is_global_zero)
-        self.barrier()
+        checkpoint[VERSIONS_KEY] = {"torch": torch.__version__, "lightning": lightning.__version__}
+        self._checkpoint_writer.save(
+            path, model_state, optimizer_states, checkpoint, is_rank_zero=self.is_global_zero, barrier=self.barrier
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        self._checkpoint_writer.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return load_sharded(
+        tied = self._structure.tied_parameters if self._structure is not None else []
+        aliases = {**dict(tied), **{b: a for a, b in tied}}
+        meta = load_sharded(
             path,
             self.lightning_module,
             optimizers,
             [self._sharded_for(o) for o in optimizers],
-            self._coordinates(),
-            self.device_mesh["data"],
-            self.layout.as_dict(),
+            aliases=aliases,
             strict=self.lightning_module.strict_loading,
         )
+        saved_dp = read_meta(path).get(LAYOUT_KEY, {}).get("data_parallel_size")
+        if saved_dp is not None and saved_dp != self.layout.data_parallel_size:
+            rank_zero_warn(
+                f"Checkpoint {path} was saved with data_parallel_size={saved_dp}, this run has"
+                f" {self.layout.data_parallel_size}: model and optimizer state are resharded exactly; a mid-epoch data"
+                " position is restored by skipping the epoch's finished batches, which repeats or skips no sample only"
+                " if the global batch (batch_size x data_parallel_size) is the same as when it was saved."
+            )
+        return meta
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -711,6 +729,7 @@ class HybridStrategy(ParallelStrategy):
         assert self.accelerator is not None
         if self.lightning_module is not None and getattr(self, "_example_input_array", None) is not None:
             self.lightning_module.example_input_array = self._example_input_array
+        self._checkpoint_writer.wait()  # the end of training waits for a background checkpoint save
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

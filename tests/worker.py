@@ -82,6 +82,14 @@ def run(scenario: dict, out_dir: Path) -> None:
         )
         recorder.grads_locked = True
         trainer.fit(module, train_dataloaders=loader, ckpt_path=str(path))
+    elif scenario.get("resume_from"):
+        # resume from a checkpoint saved by an earlier scenario or group, possibly in another layout: "last", an
+        # absolute path, or a glob under this group's output directory
+        ckpt = scenario["resume_from"]
+        if ckpt != "last" and not os.path.isabs(ckpt):
+            ckpt = str(next(out_dir.glob(ckpt)))
+        recorder.grads_locked = True
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt)
     else:
         trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
     predictions = None

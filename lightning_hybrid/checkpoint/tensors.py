@@ -1,0 +1,166 @@
+"""Tensors as DCP sees them: fused-projection views on save, and load targets that fit what a checkpoint holds.
+
+DCP reshards a tensor between layouts by itself when the saved and the requested global shapes agree. The one case
+where they do not is a fused projection (q|k|v) split by tensor parallel: its ``_StridedShard`` placement has no
+rectangular chunk per rank, so it is saved through a ``[k, rows/k, ...]`` view (see :func:`dcp_ready`), while the same
+weight in a layout without tensor parallel is a plain ``[rows, ...]`` tensor. :func:`plan_load` matches the two: the
+same view where it fits, and otherwise a full temporary of that one tensor whose local part is copied afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["LoadPlan", "dcp_ready", "plan_load"]
+
+
+def _is_strided(placement: Any) -> bool:
+    return type(placement).__name__ == "_StridedShard"
+
+
+def _fused_index(t: DTensor) -> Optional[int]:
+    """The mesh dimension whose placement splits a fused projection (``_StridedShard`` with no later mesh dimension
+    sharding the same tensor dimension). FSDP2's own ``_StridedShard`` over data, under a tensor-parallel ``Shard`` of
+    the same dimension, is an ordinary contiguous chunk that DCP handles itself."""
+    for i, p in enumerate(t.placements):
+        if _is_strided(p) and not any(q.is_shard(p.dim) for q in t.placements[i + 1 :]):
+            return i
+    return None
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+def _unstrided(t: DTensor) -> DTensor:
+    """A fused projection's DTensor (``_StridedShard(0, k)`` over tensor ranks, which DCP cannot lay out) as the
+    same storage viewed ``[k, rows/k, ...]`` with a plain ``Shard(1)``: each rank's rows are one contiguous slab per
+    block in that view, so DCP saves, loads and reshards it like any sharded tensor."""
+    index = _fused_index(t)
+    assert index is not None
+    k = t.placements[index].split_factor
+    local = t.to_local()
+    placements = []
+    for i, p in enumerate(t.placements):
+        if i == index:
+            placements.append(Shard(1))
+        elif p.is_shard():
+            placements.append(Shard(p.dim + 1))  # a later dimension shifts by the added block dimension
+        else:
+            placements.append(p)
+    shape = (k, t.shape[0] // k, *t.shape[1:])
+    view = local.view(k, local.shape[0] // k, *local.shape[1:])
+    return DTensor.from_local(view, t.device_mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape))
+
+
+def dcp_ready(tree: Any) -> Any:
+    """``tree`` with every strided (fused-projection) DTensor replaced by its DCP-friendly view; the views share
+    storage with the originals, so a DCP load into the result fills the originals in place.
+
+    Example:
+        >>> dcp_ready({"w": torch.zeros(2)})["w"].shape
+        torch.Size([2])
+    """
+    if isinstance(tree, DTensor):
+        return _unstrided(tree) if _fused_index(tree) is not None else tree
+    if isinstance(tree, dict):
+        return {k: dcp_ready(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [dcp_ready(v) for v in tree]
+    return tree
+
+
+def _block_view_of(viewed: tuple[int, ...], natural: tuple[int, ...]) -> bool:
+    """Whether ``viewed`` is ``natural`` with its first dimension split in blocks: ``[k, rows/k, ...]``."""
+    return len(viewed) == len(natural) + 1 and viewed[0] * viewed[1] == natural[0] and viewed[2:] == natural[1:]
+
+
+@dataclass
+class _Deferred:
+    full: Tensor  # the whole tensor in the saved shape, filled by DCP
+    target: Tensor  # the live tensor whose local part is cut from it after the load
+
+
+@dataclass
+class LoadPlan:
+    """What to hand to ``dcp.load`` and what to finish afterwards.
+
+    ``request`` maps checkpoint keys to tensors DCP fills in place (live storage, views of it, or temporaries);
+    ``errors`` lists keys that cannot load (missing, or saved with another shape), with the reason.
+    """
+
+    request: dict[str, Any]
+    deferred: list[_Deferred]
+    errors: list[str]
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Copy each temporary's local part into its live tensor (after ``dcp.load``)."""
+        for item in self.deferred:
+            _copy_local_part(item.full, item.target)
+
+
+def plan_load(targets: dict[str, Any], metadata: Metadata, describe: dict[str, str] | None = None) -> LoadPlan:
+    """Match live tensors (``{checkpoint key: tensor}``; non-tensors load as objects) against a checkpoint's metadata.
+
+    ``describe`` maps a key to the words used for it in an error (default: the key).
+
+    Example:
+        >>> # plan = plan_load({"state_dict.w": module.w}, FileSystemReader(path).read_metadata())
+        >>> # dcp.load(plan.request, checkpoint_id=path); plan.finish()
+    """
+    stored = metadata.state_dict_metadata
+    request: dict[str, Any] = {}
+    deferred: list[_Deferred] = []
+    errors: list[str] = []
+    for key, target in targets.items():
+        name = (describe or {}).get(key, f"`{key}`")
+        md = stored.get(key)
+        if md is None:
+            errors.append(f"{name}: not in the checkpoint")
+            continue
+        if not isinstance(target, Tensor):
+            request[key] = target
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            errors.append(f"{name}: the checkpoint holds a {type(md).__name__}, the model a tensor")
+            continue
+        saved, natural = tuple(md.size), tuple(target.shape)
+        view = dcp_ready(target)
+        if tuple(view.shape) == saved:
+            request[key] = view
+        elif not isinstance(target, DTensor) and _block_view_of(saved, natural) and target.is_contiguous():
+            request[key] = target.view(saved)  # a fused weight saved under tensor parallel, loaded whole
+        elif _block_view_of(saved, natural) or _block_view_of(natural, saved) or saved == natural:
+            # a fused weight whose saved and live layouts share no chunk shape: read it whole, keep the local part
+            full = torch.empty(saved, dtype=md.properties.dtype)
+            request[key] = full
+            deferred.append(_Deferred(full, target))
+        else:
+            errors.append(f"{name}: the checkpoint holds shape {list(saved)}, the model {list(natural)}")
+    return LoadPlan(request, deferred, errors)
+
+
+def _copy_local_part(full: Tensor, target: Union[Tensor, DTensor]) -> None:
+    view = dcp_ready(target)
+    whole = full.reshape(view.shape)
+    if not isinstance(view, DTensor):
+        view.copy_(whole)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(view.shape, view.device_mesh, view.placements)
+    piece = whole
+    for dim, (size, offset) in enumerate(zip(sizes, offsets)):
+        piece = piece.narrow(dim, offset, size)
+    view.to_local().copy_(piece)
