@@ -1,5 +1,21 @@
-"""Run monitoring: communication meter (and, later, the monitoring and health-check callbacks)."""
+"""Run monitoring: the communication meter, the monitoring callback, health checks, MFU parts, W&B defaults."""
 
+from lightning_hybrid.monitoring.callback import HybridMonitor, format_console_line, run_config
 from lightning_hybrid.monitoring.comm import CommunicationMeter, Stat
+from lightning_hybrid.monitoring.flops import count_parameters, device_peak_flops, transformer_flops_per_token
+from lightning_hybrid.monitoring.health import HealthCheckError, HealthChecks
+from lightning_hybrid.monitoring.loggers import use_offline_wandb_without_credentials
 
-__all__ = ["CommunicationMeter", "Stat"]
+__all__ = [
+    "CommunicationMeter",
+    "HealthCheckError",
+    "HealthChecks",
+    "HybridMonitor",
+    "Stat",
+    "count_parameters",
+    "device_peak_flops",
+    "format_console_line",
+    "run_config",
+    "transformer_flops_per_token",
+    "use_offline_wandb_without_credentials",
+]

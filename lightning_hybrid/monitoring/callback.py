@@ -1,0 +1,469 @@
+"""HybridMonitor: what a 3D run needs watched, logged to every Lightning logger, the console and the progress bar."""
+
+from __future__ import annotations
+
+import math
+import platform
+import resource
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_hybrid.monitoring.comm import CommunicationMeter
+from lightning_hybrid.monitoring.flops import count_parameters, device_peak_flops, transformer_flops_per_token
+from lightning_hybrid.monitoring.loggers import use_offline_wandb_without_credentials
+
+__all__ = ["HybridMonitor"]
+
+DIMENSIONS = ("tensor", "pipeline", "data")
+_LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers", "n_layers")
+_HIDDEN_KEYS = ("n_embd", "hidden_size", "d_model", "dim")
+
+
+class HybridMonitor(L.Callback):
+    """Logs a 3D run's health every ``log_every_n_steps`` optimizer steps, to every logger of the Trainer (W&B, CSV,
+    TensorBoard, ...), as one console line, and in the progress bar; raises alerts.
+
+    Values are gathered to where they are logged: the loss comes from the last pipeline stage (the strategy shares
+    it) and is averaged over the data-parallel replicas only; memory and communication are gathered from every rank
+    (max/min/mean), the bubble from every pipeline rank. Lightning's loggers write on global rank 0, which then holds
+    every value. Logged names:
+
+    - ``trainer/global_step``, ``trainer/global_batch_index``, ``train/loss``, ``train/lr``, ``train/grad_norm``,
+      ``train/loss_scale`` (1 without a scaler), ``train/skipped_steps``;
+    - ``throughput/tokens_per_s``, ``throughput/samples_per_s`` (global), ``throughput/step_time_s`` (mean since the
+      last log), ``throughput/mfu`` (when the device peak is known or given);
+    - ``memory/peak_bytes_max``, ``memory/peak_bytes_min`` (over ranks; CUDA allocator peak, or the process's peak
+      RSS on CPU), ``memory/model_state_bytes_max``, ``memory/model_state_bytes_min``;
+    - ``comm/share`` and ``comm/share_tensor|pipeline|data`` (seconds in collectives / step time, mean over ranks,
+      measured on the logging step with :class:`CommunicationMeter`), ``pipeline/bubble_fraction`` (mean over ranks
+      of the measured idle share; 0 without pipeline parallel).
+
+    Arguments:
+        log_every_n_steps: logging interval in optimizer steps (default: the Trainer's ``log_every_n_steps``).
+        flops_per_token: training FLOPs per token (default: the module's ``flops_per_token`` attribute or method,
+            else ``6 N + 12 L H T`` from the parameter count and the module's hyperparameters).
+        peak_flops: peak FLOP/s of one device (default: a table of common GPUs; unknown on CPU, so no MFU there).
+        console: print one line per logging step on global rank 0.
+        progress_bar: show the loss and tokens/s in the progress bar.
+        measure_communication: time collectives on logging steps (intercepting DTensor's functional collectives
+            slows that one step; the share divides by the same step's time).
+        communication_alert: alert when the communication share of a step exceeds this fraction.
+        loss_spike_factor: alert when the loss exceeds this multiple of its running mean (``loss_spike_window`` steps).
+        skipped_steps_alert: alert when this many optimizer steps were skipped (fp16 overflow) within
+            ``loss_spike_window`` steps.
+        alert_fn: called as ``alert_fn(title, text)`` for every alert (in addition to W&B or the warning).
+
+    Example:
+        >>> from lightning_hybrid import HybridStrategy
+        >>> from lightning_hybrid.monitoring import HybridMonitor
+        >>> trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HybridStrategy(tensor_parallel_size=2),
+        ...                     callbacks=[HybridMonitor(log_every_n_steps=10, peak_flops=1e12)], max_steps=100)
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        *,
+        flops_per_token: Optional[float] = None,
+        peak_flops: Optional[float] = None,
+        console: bool = True,
+        progress_bar: bool = True,
+        measure_communication: bool = True,
+        communication_alert: float = 0.30,
+        loss_spike_factor: float = 3.0,
+        loss_spike_window: int = 20,
+        skipped_steps_alert: int = 3,
+        alert_fn: Optional[Callable[[str, str], None]] = None,
+    ) -> None:
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+            raise ValueError(
+                f"`HybridMonitor(log_every_n_steps=...)` must be a positive integer, got {log_every_n_steps!r}."
+            )
+        if loss_spike_factor <= 1:
+            raise ValueError(f"`HybridMonitor(loss_spike_factor=...)` must be > 1, got {loss_spike_factor!r}.")
+        self.log_every_n_steps = log_every_n_steps
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.console, self.progress_bar = console, progress_bar
+        self.measure_communication = measure_communication
+        self.communication_alert = communication_alert
+        self.loss_spike_factor, self.loss_spike_window = loss_spike_factor, loss_spike_window
+        self.skipped_steps_alert = skipped_steps_alert
+        self.alert_fn = alert_fn
+        self.alerts: list[tuple[int, str, str]] = []
+        """Every alert raised: (global step, title, text)."""
+        self.last_metrics: dict[str, float] = {}
+        """The metrics of the last logging step (on every rank)."""
+        self._meter: Optional[CommunicationMeter] = None
+        self._reset_window()
+        self._losses: deque[float] = deque(maxlen=loss_spike_window)
+        self._skipped: deque[int] = deque(maxlen=loss_spike_window + 1)
+        self._last_batch_end: Optional[float] = None
+        self._last_step = 0
+        self._tokens_per_sample = 1.0
+        self._num_parameters = 0
+        self._config_logged = False
+        use_offline_wandb_without_credentials()
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        use_offline_wandb_without_credentials(trainer.loggers)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the whole model's parameter count: a collective over the pipeline dimension, so here, on every rank
+        self._num_parameters = count_parameters(pl_module, _mesh(trainer))
+        self._last_batch_end = None
+        self._last_step = trainer.global_step
+        self._reset_window()
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._last_batch_end is None:
+            self._last_batch_end = time.perf_counter()
+        if self.measure_communication and self._meter is None and (trainer.global_step + 1) % self._every(trainer) == 0:
+            mesh = _mesh(trainer)
+            tensor_parallel = mesh is not None and mesh["tensor"].size() > 1
+            self._meter = CommunicationMeter(mesh, functional_collectives=tensor_parallel).__enter__()
+            self._meter_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        samples, tokens = _count(batch)
+        self._window["samples"] += samples
+        self._window["tokens"] += tokens
+        self._tokens_per_sample = tokens / samples if samples else 1
+        loss = _loss_of(outputs)
+        if loss is not None:
+            self._window_loss.append(loss * trainer.accumulate_grad_batches)
+        if trainer.global_step == self._last_step:
+            return  # gradient accumulation: the optimizer has not stepped yet
+        self._last_step = trainer.global_step
+        now = time.perf_counter()
+        self._window["steps"] += 1
+        self._window["seconds"] += now - (self._last_batch_end or now)
+        self._last_batch_end = now
+        step_loss = self._reduce_loss(trainer)
+        self._check_step(trainer, step_loss)
+        if trainer.global_step % self._every(trainer) == 0:
+            self._log(trainer, pl_module, step_loss)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close_meter()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._close_meter()
+
+    # ------------------------------------------------------------------ per step
+    def _every(self, trainer: L.Trainer) -> int:
+        return self.log_every_n_steps or max(1, int(trainer.log_every_n_steps))
+
+    def _reset_window(self) -> None:
+        self._window: dict[str, Any] = {"samples": 0, "tokens": 0, "steps": 0, "seconds": 0.0}
+        self._window_loss: list[float] = []
+        self._meter_start = 0.0
+
+    def _reduce_loss(self, trainer: L.Trainer) -> float:
+        """This step's loss, averaged over data-parallel replicas (tensor and pipeline peers hold the same value)."""
+        local = sum(self._window_loss) / len(self._window_loss) if self._window_loss else float("nan")
+        self._window_loss = []
+        mesh = _mesh(trainer)
+        if mesh is None or mesh["data"].size() == 1:
+            return local
+        value = torch.tensor([local], dtype=torch.float64, device=trainer.strategy.root_device)
+        dist.all_reduce(value, group=mesh["data"].get_group())
+        return float(value.item()) / mesh["data"].size()
+
+    def _check_step(self, trainer: L.Trainer, loss: float) -> None:
+        step = trainer.global_step
+        if not math.isfinite(loss):
+            self._alert(trainer, "Non-finite loss", f"The training loss is {loss} at step {step}.")
+        else:
+            if len(self._losses) >= min(5, self.loss_spike_window):
+                mean = sum(self._losses) / len(self._losses)
+                if mean > 0 and loss > self.loss_spike_factor * mean:
+                    self._alert(
+                        trainer,
+                        "Loss spike",
+                        f"The training loss {loss:.4g} at step {step} is {loss / mean:.1f}x its running mean {mean:.4g}"
+                        f" over the last {len(self._losses)} steps (alert above {self.loss_spike_factor}x).",
+                    )
+            self._losses.append(loss)
+        skipped = int(getattr(trainer.strategy.precision_plugin, "skipped_steps", 0) or 0)
+        self._skipped.append(skipped)
+        burst = skipped - self._skipped[0]
+        if self.skipped_steps_alert and burst >= self.skipped_steps_alert:
+            self._alert(
+                trainer,
+                "Skipped steps",
+                f"{burst} of the last {len(self._skipped) - 1} optimizer steps were skipped for gradient overflow"
+                f" (step {step}, {skipped} in total): the loss scale keeps falling; check the loss and the data.",
+            )
+            self._skipped.clear()
+            self._skipped.append(skipped)
+
+    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: float) -> None:
+        strategy = trainer.strategy
+        window = self._window
+        comm_seconds: dict[str, float] = {}
+        measured_time = 0.0
+        if self._meter is not None:
+            measured_time = time.perf_counter() - self._meter_start
+            comm_seconds = self._meter.seconds_by_dimension()
+            self._close_meter()
+        timeline = getattr(strategy, "pipeline_timeline", None)
+        mine = {
+            "peak_memory": _peak_memory(strategy.root_device),
+            "model_state": int(getattr(strategy, "model_state_bytes", {}).get("total", 0)),
+            "comm": {d: comm_seconds.get(d, 0.0) / measured_time if measured_time else 0.0 for d in DIMENSIONS},
+            "comm_total": sum(comm_seconds.values()) / measured_time if measured_time else 0.0,
+            "bubble": float(timeline.bubble_fraction) if timeline is not None else 0.0,
+            "seconds": window["seconds"],
+        }
+        everyone = _gather(mine)
+        mesh = _mesh(trainer)
+        dp = mesh["data"].size() if mesh is not None else trainer.world_size
+        steps = max(1, window["steps"])
+        step_time = max(r["seconds"] for r in everyone) / steps  # the slowest rank sets the pace
+        samples_per_s = window["samples"] * dp / (step_time * steps) if step_time > 0 else 0.0
+        tokens_per_s = window["tokens"] * dp / (step_time * steps) if step_time > 0 else 0.0
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        scale = getattr(strategy.precision_plugin, "loss_scale", None)
+        norm = getattr(strategy, "last_gradient_norm", None)
+        metrics: dict[str, float] = {
+            "trainer/global_step": float(trainer.global_step),
+            "trainer/global_batch_index": float(trainer.fit_loop.total_batch_idx + 1),
+            "train/loss": loss,
+            "train/lr": float(optimizer.param_groups[0]["lr"]) if optimizer is not None else float("nan"),
+            "train/grad_norm": float(norm) if norm is not None else float("nan"),
+            "train/loss_scale": float(scale) if scale is not None else 1.0,
+            "train/skipped_steps": float(getattr(strategy.precision_plugin, "skipped_steps", 0) or 0),
+            "throughput/tokens_per_s": tokens_per_s,
+            "throughput/samples_per_s": samples_per_s,
+            "throughput/step_time_s": step_time,
+            "memory/peak_bytes_max": float(max(r["peak_memory"] for r in everyone)),
+            "memory/peak_bytes_min": float(min(r["peak_memory"] for r in everyone)),
+            "memory/model_state_bytes_max": float(max(r["model_state"] for r in everyone)),
+            "memory/model_state_bytes_min": float(min(r["model_state"] for r in everyone)),
+            "comm/share": sum(r["comm_total"] for r in everyone) / len(everyone),
+            "pipeline/bubble_fraction": sum(r["bubble"] for r in everyone) / len(everyone),
+        }
+        for d in DIMENSIONS:
+            metrics[f"comm/share_{d}"] = sum(r["comm"][d] for r in everyone) / len(everyone)
+        mfu = self._mfu(trainer, pl_module, tokens_per_s)
+        if mfu is not None:
+            metrics["throughput/mfu"] = mfu
+        self.last_metrics = metrics
+        self._log_config(trainer, window)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        if self.console:
+            rank_zero_info(format_console_line(metrics))
+        if self.progress_bar:
+            pl_module.log("loss", loss, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        if metrics["comm/share"] > self.communication_alert:
+            parts = ", ".join(f"{d} {metrics[f'comm/share_{d}']:.0%}" for d in DIMENSIONS)
+            self._alert(
+                trainer,
+                "Communication share",
+                f"{metrics['comm/share']:.0%} of step {trainer.global_step} was spent in collectives ({parts}); above"
+                f" {self.communication_alert:.0%} the layout is likely wrong (tensor parallel across nodes, too many"
+                " pipeline stages for the micro-batches, or too small a batch per replica).",
+            )
+        self._reset_window()
+
+    def _mfu(self, trainer: L.Trainer, pl_module: L.LightningModule, tokens_per_s: float) -> Optional[float]:
+        peak = self.peak_flops or device_peak_flops(trainer.strategy.root_device, str(trainer.precision))
+        if peak is None:
+            if not getattr(self, "_warned_peak", False):
+                rank_zero_warn(
+                    "HybridMonitor: the device's peak FLOP/s is not known, so MFU is not logged: pass"
+                    " `HybridMonitor(peak_flops=...)` (FLOP/s of one device)."
+                )
+                self._warned_peak = True
+            return None
+        per_token = self._flops_per_token(pl_module)
+        return per_token * tokens_per_s / (peak * trainer.world_size)
+
+    def _flops_per_token(self, pl_module: L.LightningModule) -> float:
+        if self.flops_per_token is not None:
+            return float(self.flops_per_token)
+        own: Union[None, float, Callable[[], float]] = getattr(pl_module, "flops_per_token", None)
+        if own is not None:
+            return float(own() if callable(own) else own)
+        hparams = dict(getattr(pl_module, "hparams", {}) or {})
+        layers = next((int(hparams[k]) for k in _LAYER_KEYS if k in hparams), 0)
+        hidden = next((int(hparams[k]) for k in _HIDDEN_KEYS if k in hparams), 0)
+        return transformer_flops_per_token(self._num_parameters, layers, hidden, int(self._tokens_per_sample))
+
+    def _log_config(self, trainer: L.Trainer, window: dict[str, Any]) -> None:
+        """The run's configuration: the full layout, precision, global batch, world size and versions (once)."""
+        if self._config_logged:
+            return
+        self._config_logged = True
+        config = run_config(trainer)
+        mesh = _mesh(trainer)
+        dp = mesh["data"].size() if mesh is not None else trainer.world_size
+        per_replica = window["samples"] / max(1, window["steps"])
+        config["global_batch_size"] = int(round(per_replica * dp))
+        config["tokens_per_sample"] = int(self._tokens_per_sample)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_hyperparams({"lightning_hybrid": config})
+
+    # ------------------------------------------------------------------ alerts
+    def _alert(self, trainer: L.Trainer, title: str, text: str) -> None:
+        self.alerts.append((trainer.global_step, title, text))
+        if self.alert_fn is not None:
+            self.alert_fn(title, text)
+        if not trainer.is_global_zero:
+            return
+        from lightning.pytorch.loggers import WandbLogger
+
+        wandb_loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+        for logger in wandb_loggers:
+            import wandb
+
+            logger.experiment.alert(title=title, text=text, level=wandb.AlertLevel.WARN)
+        if not wandb_loggers:
+            rank_zero_warn(f"HybridMonitor alert: {title}: {text}")
+
+    def _close_meter(self) -> None:
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self._meter = None
+
+
+def run_config(trainer: L.Trainer) -> dict[str, Any]:
+    """The layout and environment of a run, as logged to the loggers' run config."""
+    import lightning
+
+    import lightning_hybrid
+
+    strategy = trainer.strategy
+    layout = getattr(strategy, "layout", None)
+    config: dict[str, Any] = dict(layout.as_dict()) if layout is not None else {}
+    config.update(
+        precision=str(trainer.precision),
+        world_size=trainer.world_size,
+        num_nodes=trainer.num_nodes,
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        versions={
+            "lightning_hybrid": lightning_hybrid.__version__,
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "python": platform.python_version(),
+            "cuda": torch.version.cuda or "none",
+        },
+        process_group_backend=str(getattr(strategy, "process_group_backend", None)),
+        command=" ".join(sys.argv),
+    )
+    return config
+
+
+def format_console_line(metrics: dict[str, float]) -> str:
+    """One compact line: global step and batch, loss, LR, throughput, MFU, peak memory, communication, bubble.
+
+    Example:
+        >>> format_console_line({"trainer/global_step": 10, "trainer/global_batch_index": 10, "train/loss": 2.5,
+        ...     "train/lr": 1e-3, "throughput/tokens_per_s": 1234.0, "throughput/samples_per_s": 9.6,
+        ...     "throughput/step_time_s": 0.5, "memory/peak_bytes_max": 2**30, "memory/peak_bytes_min": 2**29,
+        ...     "comm/share": 0.2, "comm/share_tensor": 0.1, "comm/share_pipeline": 0.05, "comm/share_data": 0.05,
+        ...     "pipeline/bubble_fraction": 0.25})
+        'step 10 | batch 10 | loss 2.5000 | lr 1.00e-03 | 1.23k tok/s | 9.6 samples/s | step 0.500s | mem 1.00/0.50 GiB | comm 20% (tp 10% pp 5% dp 5%) | bubble 25%'
+    """  # noqa: E501
+    m = metrics
+    parts = [
+        f"step {int(m['trainer/global_step'])}",
+        f"batch {int(m['trainer/global_batch_index'])}",
+        f"loss {m['train/loss']:.4f}",
+        f"lr {m['train/lr']:.2e}",
+        f"{_si(m['throughput/tokens_per_s'])} tok/s",
+        f"{m['throughput/samples_per_s']:.1f} samples/s",
+        f"step {m['throughput/step_time_s']:.3f}s",
+    ]
+    if "throughput/mfu" in m:
+        parts.append(f"mfu {m['throughput/mfu']:.1%}")
+    parts.append(f"mem {m['memory/peak_bytes_max'] / 2**30:.2f}/{m['memory/peak_bytes_min'] / 2**30:.2f} GiB")
+    share = " ".join(
+        f"{s} {m[f'comm/share_{d}']:.0%}" for s, d in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"))
+    )
+    parts.append(f"comm {m['comm/share']:.0%} ({share})")
+    parts.append(f"bubble {m['pipeline/bubble_fraction']:.0%}")
+    if m.get("train/skipped_steps"):
+        parts.append(f"skipped {int(m['train/skipped_steps'])} scale {m.get('train/loss_scale', 1.0):.3g}")
+    return " | ".join(parts)
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.1f}"
+
+
+def _mesh(trainer: L.Trainer) -> Any:
+    try:
+        return trainer.strategy.device_mesh
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _count(batch: Any) -> tuple[int, int]:
+    """(samples, tokens) of a batch: its first tensor's leading size, and its element count if it holds token ids."""
+    first = _first_tensor(batch)
+    if first is None or first.dim() == 0:
+        return 0, 0
+    samples = int(first.shape[0])
+    tokens = int(first.numel()) if not first.is_floating_point() and first.dim() >= 2 else samples
+    return samples, tokens
+
+
+def _first_tensor(obj: Any) -> Optional[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):
+        for key in ("input_ids", "idx", "x"):
+            if isinstance(obj.get(key), torch.Tensor):
+                return obj[key]
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _loss_of(outputs: Any) -> Optional[float]:
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach().float().item())
+    return None
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # peak resident set size of this process (Linux reports KiB, macOS bytes)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

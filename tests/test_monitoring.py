@@ -1,0 +1,396 @@
+"""Monitoring and health checks: the communication meter's exact byte counts, an offline W&B run read back from disk,
+the console line, alerts, replica checksums, the rank-to-device check, and torchmetrics over data parallel only.
+
+All multi-process scenarios run in ONE launched group of 4 CPU processes (this file is also the worker:
+``python -m torch.distributed.run --nproc_per_node 4 tests/test_monitoring.py SPEC OUT``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+LOG_EVERY = 2
+STEPS = 4
+
+# ---------------------------------------------------------------------------------------------------------------------
+# worker side (runs inside torchrun)
+
+
+def _scenario_comm(out: Path) -> dict[str, Any]:
+    """Known operations on a (data=2, tensor=2) mesh, with the bytes each must count."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from lightning_hybrid.monitoring import CommunicationMeter
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    result: dict[str, Any] = {}
+    with CommunicationMeter(mesh) as meter:
+        dist.all_reduce(torch.ones(256), group=mesh.get_group("tensor"))  # c10d: 1024 bytes
+        x = distribute_tensor(torch.randn(8, 4), mesh["tensor"], [Shard(0)])
+        x.full_tensor()  # DTensor functional all-gather: gathered 8x4 fp32 = 128 bytes
+        partial = DTensor.from_local(torch.ones(6), mesh["tensor"], [Partial()])
+        partial.redistribute(mesh["tensor"], [Replicate()]).to_local()  # functional all-reduce: 24 bytes
+        result["a"] = meter.totals()
+        with CommunicationMeter(mesh) as inner:  # two meters at once both count
+            dist.broadcast(torch.zeros(10, dtype=torch.float64), src=0)  # world: 80 bytes
+        result["inner"] = inner.totals()
+        meter.reset()
+        linear = torch.nn.Linear(4, 8, bias=False)
+        fully_shard(linear, mesh=mesh["data"])  # ZeRO-3 over the data dimension
+        linear(torch.randn(3, 4)).sum().backward()  # all-gather 8x4 fp32 = 128 bytes, reduce-scatter 128 bytes
+        result["fsdp"] = meter.totals()
+        meter.reset()
+        peer = rank ^ 2  # the data-parallel peer
+        ops = [dist.P2POp(dist.isend, torch.ones(10), peer), dist.P2POp(dist.irecv, torch.empty(10), peer)]
+        for work in dist.batch_isend_irecv(ops if rank < 2 else ops[::-1]):
+            work.wait()
+        # the pipeline schedules' homogeneous path calls isend/irecv directly, on the pipeline group by group rank
+        group = mesh.get_group("data")
+        if rank < 2:
+            dist.isend(torch.ones(5, dtype=torch.float16), group=group, group_dst=1).wait()
+        else:
+            dist.irecv(torch.empty(5, dtype=torch.float16), group=group, group_src=0).wait()
+        result["p2p"] = meter.totals()
+    # after exit nothing is patched or counted
+    dist.all_reduce(torch.ones(1))
+    result["after"] = meter.totals()
+    result["patched_after"] = type(dist.all_reduce).__name__
+    return result
+
+
+def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_hybrid import HybridStrategy
+    from lightning_hybrid.monitoring import HealthCheckError, HealthChecks, HybridMonitor
+    from tests.harness import make_dataset, trainer_kwargs
+
+    module = _module(options.get("module", "nanogpt"))
+    loader = torch.utils.data.DataLoader(make_dataset(), batch_size=4, shuffle=True)
+    callbacks: list[Any] = []
+    monitor = None
+    if options.get("monitor"):
+        monitor = HybridMonitor(log_every_n_steps=LOG_EVERY, peak_flops=1e11, **options.get("monitor_kwargs", {}))
+        callbacks.append(monitor)
+    health = options.get("health")
+    if health == "bad_device_map":
+
+        class SameDevice(HealthChecks):
+            def _local_facts(self, trainer: L.Trainer) -> dict[str, Any]:
+                facts = super()._local_facts(trainer)
+                rank = trainer.global_rank
+                facts["device"] = "cuda:GPU-0000" if rank in (0, 1) else f"cuda:GPU-000{rank}"
+                return facts
+
+        callbacks.append(SameDevice())
+    elif health == "perturb":
+        callbacks.append(HealthChecks(replica_check_every_n_steps=2))
+        callbacks.append(_Perturb())
+    kwargs = {**trainer_kwargs(STEPS), **options.get("trainer", {})}
+    if options.get("wandb"):
+        from lightning.pytorch.loggers import WandbLogger
+
+        kwargs["logger"] = WandbLogger(project="lightning-hybrid-test", save_dir=str(out / name))
+    strategy = HybridStrategy(**options["strategy"])
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, callbacks=callbacks, **kwargs)
+    result: dict[str, Any] = {"error": None}
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    except HealthCheckError as error:  # raised on every rank alike: nobody is left waiting in a collective
+        result["error"] = str(error)
+    if monitor is not None:
+        result["alerts"] = monitor.alerts
+        result["last_metrics"] = monitor.last_metrics
+    if options.get("metrics"):
+        result["metrics"] = {k: float(m.compute()) for k, m in module.tracked.items()}
+        result["metric_groups"] = [
+            m.process_group is strategy.device_mesh["data"].get_group() for m in module.tracked.values()
+        ]
+    if options.get("wandb") and dist.get_rank() == 0:
+        import wandb
+
+        wandb.finish()
+    result["health_callbacks"] = sum(isinstance(c, HealthChecks) for c in trainer.callbacks)
+    return result
+
+
+class _Perturb:
+    """After step 1, data-parallel replica 1 nudges one weight: the replica check at step 2 must name it."""
+
+    def __new__(cls) -> Any:
+        import lightning as L
+
+        class Perturb(L.Callback):
+            def on_train_batch_end(
+                self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+            ) -> None:
+                if trainer.global_step == 1 and trainer.strategy.device_mesh["data"].get_local_rank() == 1:
+                    param = dict(pl_module.named_parameters())["model.h.1.mlp.c_proj.weight"]
+                    local = param.to_local() if hasattr(param, "to_local") else param
+                    with torch.no_grad():
+                        local[0, 0] += 1e-3
+
+        return Perturb()
+
+
+def _module(kind: str) -> Any:
+    from examples.nanogpt import NanoGPT
+    from tests.harness import MODEL_DEFAULTS, build_module
+
+    if kind == "nanogpt":
+        return build_module("nanogpt")
+
+    class Tracked(NanoGPT):
+        """nanoGPT with torchmetrics that expose double counting (a sum), and a NaN loss at a chosen step."""
+
+        def __init__(self, nan_at: int = -1, **kwargs: Any) -> None:
+            import torchmetrics
+
+            super().__init__(**kwargs)
+            self.nan_at = nan_at
+            self.tracked = torch.nn.ModuleDict(
+                {"loss_sum": torchmetrics.SumMetric(), "loss_mean": torchmetrics.MeanMetric()}
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.tracked["loss_sum"].update(loss.detach() * batch[0].shape[0])
+            self.tracked["loss_mean"].update(loss.detach(), weight=batch[0].shape[0])
+            if self.global_step == self.nan_at:
+                loss = loss * float("nan")
+            return loss
+
+    import lightning as L
+
+    L.seed_everything(1234, verbose=False)
+    # the NaN comes at the last step: the metrics were updated with that step's finite loss before it
+    return Tracked(nan_at=STEPS - 1, **MODEL_DEFAULTS["nanogpt"])
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "comm": {},
+    # 3D minus one dimension so that 4 processes suffice: pipeline (2 stages) x data 2, logged to an offline W&B run
+    "wandb": {"strategy": {"pipeline_parallel_size": 2, "num_microbatches": 2}, "monitor": True, "wandb": True},
+    # tp=2 x dp=2 with torchmetrics in the module, and a NaN loss at the last step
+    "metrics": {"strategy": {"tensor_parallel_size": 2}, "module": "tracked", "metrics": True, "monitor": True},
+    "perturb": {"strategy": {"tensor_parallel_size": 2, "zero_stage": 0}, "health": "perturb"},
+    "device_map": {"strategy": {"tensor_parallel_size": 2}, "health": "bad_device_map", "trainer": {"max_steps": 1}},
+}
+
+
+def _worker_main() -> None:
+    import torch.distributed as dist
+
+    spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # Lightning reuses it
+    for name in spec:
+        try:
+            options = SCENARIOS[name]
+            result = _scenario_comm(out) if name == "comm" else _scenario_trainer(out, name, **options)
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, result)
+            if dist.get_rank() == 0:
+                torch.save(gathered, out / f"{name}.pt")
+        except Exception:
+            (out / f"{name}.rank{os.environ.get('RANK')}.error").write_text(traceback.format_exc())
+            raise
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# test side
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("monitoring")
+    spec = out / "spec.json"
+    spec.write_text(json.dumps(list(SCENARIOS)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("WANDB_MODE", None)  # no credentials here: the monitor must choose offline by itself
+    env.pop("WANDB_API_KEY", None)
+    env["NETRC"] = str(out / "no-netrc")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--standalone",
+           str(Path(__file__).resolve()), str(spec), str(out)]  # fmt: skip
+    try:
+        proc = subprocess.run(
+            cmd, env=env, cwd=out, capture_output=True, text=True, timeout=420, stdin=subprocess.DEVNULL
+        )
+        log = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        log = f"TIMEOUT (a hang)\n{e.stdout}\n{e.stderr}"
+    return {"out": out, "log": log}
+
+
+def _result(group: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    path = group["out"] / f"{name}.pt"
+    if not path.exists():
+        errors = "\n".join(p.read_text() for p in sorted(group["out"].glob(f"{name}.rank*.error")))
+        pytest.fail(f"scenario {name} did not finish:\n{errors or group['log'][-6000:]}")
+    return torch.load(path, weights_only=False)
+
+
+def test_communication_meter_counts_exact_bytes_per_dimension(group: dict[str, Any]) -> None:
+    for rank, r in enumerate(_result(group, "comm")):
+        a = {k: (v.calls, v.bytes) for k, v in r["a"].items()}
+        assert a == {
+            ("tensor", "all_reduce"): (2, 1024 + 24),
+            ("tensor", "all_gather_into_tensor"): (1, 128),
+        }, (rank, a)
+        assert all(v.seconds > 0 for v in r["a"].values())
+        assert {k: (v.calls, v.bytes) for k, v in r["inner"].items()} == {("world", "broadcast"): (1, 80)}
+        fsdp = {k: (v.calls, v.bytes) for k, v in r["fsdp"].items()}
+        assert fsdp == {("data", "all_gather_single"): (1, 128), ("data", "reduce_scatter_single"): (1, 128)}, fsdp
+        p2p = {k: (v.calls, v.bytes) for k, v in r["p2p"].items()}
+        # one send and one receive of 40 bytes each (batch_isend_irecv), then 10 fp16 bytes sent by ranks 0-1
+        expected = {("data", "send"): (2, 50), ("data", "recv"): (1, 40)}
+        if rank >= 2:
+            expected = {("data", "send"): (1, 40), ("data", "recv"): (2, 50)}
+        assert p2p == expected, (rank, p2p)
+        assert r["after"] == r["p2p"]  # nothing counted after the meter exited
+        assert r["patched_after"] == "function"  # the original functions are back
+
+
+def _read_wandb_run(run_dir: Path) -> dict[str, Any]:
+    """Read an offline run's ``.wandb`` file: LevelDB log format (32 KiB blocks of records with a 7-byte header:
+    crc32, length, type) after a 7-byte file header, each record a ``wandb_internal_pb2.Record`` protobuf. wandb 0.31
+    ships no Python reader (its service is in Go), so the test reads the format itself."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = next(run_dir.glob("*.wandb")).read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    block, pos, pending = 32768, 7, b""
+    history, config, alerts = [], {}, []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block  # a block's tail too short for a header is padding
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind not in (1, 4):  # FULL or LAST completes a record
+            continue
+        record = pb.Record()
+        record.ParseFromString(pending)
+        which = record.WhichOneof("record_type")
+        if which == "history":
+            history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
+        elif which == "config":
+            for item in record.config.update:
+                config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif which == "alert":
+            alerts.append(record.alert.title)
+    return {"history": history, "config": config, "alerts": alerts}
+
+
+MONITOR_METRICS = [
+    "trainer/global_step", "trainer/global_batch_index", "train/loss", "train/lr", "train/grad_norm",
+    "train/loss_scale", "train/skipped_steps", "throughput/tokens_per_s", "throughput/samples_per_s",
+    "throughput/step_time_s", "throughput/mfu", "memory/peak_bytes_max", "memory/peak_bytes_min",
+    "memory/model_state_bytes_max", "memory/model_state_bytes_min", "comm/share", "comm/share_tensor",
+    "comm/share_pipeline", "comm/share_data", "pipeline/bubble_fraction",
+]  # fmt: skip
+
+
+def test_offline_wandb_run_holds_every_metric_once_per_logging_step_and_the_layout(group: dict[str, Any]) -> None:
+    results = _result(group, "wandb")
+    runs = list((group["out"] / "wandb").rglob("offline-run-*"))
+    assert len(runs) == 1, runs  # one run (rank 0), offline without credentials, never a prompt
+    run = _read_wandb_run(runs[0])
+    rows = [row for row in run["history"] if "train/loss" in row]
+    assert [row["trainer/global_step"] for row in rows] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    for row in rows:
+        missing = [m for m in MONITOR_METRICS if m not in row]
+        assert not missing, missing
+        assert all(math.isfinite(row[m]) for m in MONITOR_METRICS), row
+        assert row["pipeline/bubble_fraction"] > 0 and row["comm/share_pipeline"] > 0 and row["comm/share_data"] > 0
+        assert row["comm/share_tensor"] == 0  # tp=1 here
+        assert row["memory/peak_bytes_max"] >= row["memory/peak_bytes_min"] > 0
+        assert row["throughput/tokens_per_s"] == pytest.approx(row["throughput/samples_per_s"] * 16)
+    layout = run["config"]["lightning_hybrid"]
+    assert layout["pipeline_parallel_size"] == 2 and layout["data_parallel_size"] == 2
+    assert layout["tensor_parallel_size"] == 1 and layout["zero_stage"] == 1
+    assert layout["world_size"] == 4 and layout["global_batch_size"] == 8 and layout["precision"] == "32-true"
+    assert layout["versions"]["torch"] == torch.__version__
+    assert layout["num_microbatches"] == 2 and layout["pipeline_schedule"] == "1f1b"
+    # the loss logged is the data-parallel mean that every rank computed alike
+    assert {r["last_metrics"]["train/loss"] for r in results} == {rows[-1]["train/loss"]}
+
+
+def test_console_line_every_n_steps(group: dict[str, Any]) -> None:
+    _result(group, "wandb")
+    lines = [line for line in group["log"].splitlines() if " | loss " in line and line.lstrip().startswith("step ")]
+    wandb_lines = [line for line in lines if "bubble" in line and "comm" in line]
+    steps = [int(line.split()[1]) for line in wandb_lines]
+    # the wandb and metrics scenarios both log at steps 2 and 4, and print once (rank 0) each time
+    assert steps.count(LOG_EVERY) == 2 and steps.count(STEPS) == 2 and len(steps) == 4, lines
+    for field in ("batch", "loss", "lr", "tok/s", "samples/s", "mem", "GiB", "comm", "tp", "pp", "dp", "bubble", "mfu"):
+        assert field in wandb_lines[0], (field, wandb_lines[0])
+
+
+def test_torchmetrics_sync_over_data_parallel_only_matches_single_process(group: dict[str, Any]) -> None:
+    import lightning as L
+
+    from tests.harness import make_dataset, reference_loader, trainer_kwargs
+
+    results = _result(group, "metrics")
+    module = _module("tracked")
+    trainer = L.Trainer(accelerator="cpu", devices=1, **trainer_kwargs(STEPS))
+    trainer.fit(module, train_dataloaders=reference_loader(make_dataset(), data_parallel_size=2, batch_size=4))
+    expected = {k: float(m.compute()) for k, m in module.tracked.items()}
+    for r in results:
+        assert all(r["metric_groups"])
+        for key, value in expected.items():
+            assert r["metrics"][key] == pytest.approx(value, rel=1e-5), (key, r["metrics"][key], value)
+    assert results[0]["last_metrics"]["comm/share_tensor"] > 0  # tensor parallel collectives were measured
+
+
+def test_nan_loss_raises_the_alert(group: dict[str, Any]) -> None:
+    results = _result(group, "metrics")  # its module returns a NaN loss at the last step
+    alerts = results[0]["alerts"]
+    assert [(step, title) for step, title, _ in alerts if title == "Non-finite loss"] == [(STEPS, "Non-finite loss")]
+    assert "HybridMonitor alert: Non-finite loss" in group["log"]  # no W&B logger: a warning
+
+
+def test_perturbed_replica_is_named_with_the_step(group: dict[str, Any]) -> None:
+    results = _result(group, "perturb")
+    for r in results:  # every rank stopped with the same report
+        assert r["error"] is not None and "model.h.1.mlp.c_proj.weight" in r["error"] and "step 2" in r["error"]
+        assert "model.h.0" not in r["error"]
+
+
+def test_two_ranks_on_one_device_is_an_error_naming_them(group: dict[str, Any]) -> None:
+    results = _result(group, "device_map")
+    for r in results:
+        assert r["error"] is not None and "Ranks 0 and 1 both use device cuda:GPU-0000" in r["error"], r["error"]
+    assert results[0]["health_callbacks"] == 1  # the strategy did not add a second one
+
+
+def test_health_checks_are_added_by_default_and_can_be_turned_off(group: dict[str, Any]) -> None:
+    # the wandb scenario passed no HealthChecks: the strategy added one
+    assert all(r["health_callbacks"] == 1 for r in _result(group, "wandb"))
+
+
+if __name__ == "__main__":
+    _worker_main()
