@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,3 +45,69 @@ def test_quickstart_config_trains_in_3d_on_8_processes(tmp_path: Path) -> None:
     assert "tp=2  pp=2  dp=2  zero_stage=2" in log, log[-3000:]
     saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
     assert saved["trainer"]["strategy"]["init_args"]["zero_stage"] == 2  # the override reached the run's config
+
+
+CONFIGS = sorted(p.name for p in (ROOT / "cli_configs").glob("*.yaml"))
+# the configs that run on CPU, each trained for a few steps below (the quick start above, on 8 processes)
+CPU_CONFIGS = {"hf_llama.yaml": 4, "fp16_loss_scaling.yaml": 4, "zero3.yaml": 4}
+
+_PRINT_ALL = """
+import contextlib, io, json, sys
+from lightning_hybrid.cli import main
+out = {}
+for name in sys.argv[1:]:
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        try:
+            main(["fit", "--config", "cli_configs/" + name, "--print_config"])
+        except SystemExit as e:
+            assert not e.code, (name, e.code)
+    out[name] = buffer.getvalue()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_every_shipped_config_parses_and_its_layout_fits_its_devices() -> None:
+    from lightning_hybrid import ParallelLayout
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _PRINT_ALL, *CONFIGS], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=220)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"cpu_quickstart.yaml", "gpu_8_3d.yaml", "multi_node.yaml", "hf_llama.yaml", "fp16_loss_scaling.yaml",
+            "zero3.yaml"} <= set(printed)  # fmt: skip
+    for name, text in printed.items():
+        config = yaml.safe_load(text)
+        trainer = config["trainer"]
+        strategy = trainer["strategy"]
+        assert strategy["class_path"] == "lightning_hybrid.HybridStrategy", name
+        sizes = {k: v for k, v in strategy["init_args"].items() if k.endswith("_size") or k in ("zero_stage",)}
+        sizes = {k: v for k, v in sizes.items() if k != "virtual_pipeline_size"}
+        world = int(trainer["devices"]) * int(trainer.get("num_nodes") or 1)
+        ParallelLayout.resolve(world_size=world, **sizes)  # a config whose sizes do not fit its devices fails here
+        assert any("HybridMonitor" in c["class_path"] for c in trainer.get("callbacks") or []), name
+
+
+@pytest.mark.timeout(900)
+def test_cpu_configs_train_a_few_steps_with_their_layout(tmp_path: Path) -> None:
+    for name, devices in CPU_CONFIGS.items():
+        config = yaml.safe_load((ROOT / "cli_configs" / name).read_text())
+        assert config["trainer"]["accelerator"] == "cpu" and config["trainer"]["devices"] == devices
+        root = tmp_path / name
+        overrides = ["--trainer.max_steps=2", "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={root}",
+                     "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+                     f"--trainer.logger.init_args.save_dir={root}"]  # fmt: skip
+        proc = _cli("fit", "--config", f"cli_configs/{name}", *overrides, timeout=280)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, (name, log[-6000:])
+        strategy = config["trainer"]["strategy"]["init_args"]
+        tp, pp = strategy.get("tensor_parallel_size", 1), strategy.get("pipeline_parallel_size", 1)
+        assert f"tp={tp}  pp={pp}  dp={devices // (tp * pp)}  zero_stage={strategy['zero_stage']}" in log, log[-3000:]
+        steps = [line for line in log.splitlines() if line.startswith("step ") and " | loss " in line]
+        assert len(steps) == 2, (name, log[-3000:])  # the monitor's console line, at steps 1 and 2 (rank 0 only)
+        saved = yaml.safe_load(next(root.rglob("config.yaml")).read_text())
+        assert saved["trainer"]["max_steps"] == 2
+        metrics = next(root.rglob("metrics.csv")).read_text()
+        assert "train/loss" in metrics and "throughput/tokens_per_s" in metrics, metrics[:500]
