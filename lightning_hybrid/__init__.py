@@ -3,10 +3,19 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hybrid.config import HybridConfigError, ParallelLayout
+from lightning_hybrid.monitoring import CommunicationMeter, HealthChecks, HybridMonitor
 from lightning_hybrid.precision import HybridPrecision
 from lightning_hybrid.strategy import HybridStrategy
 
-__all__ = ["HybridConfigError", "HybridPrecision", "HybridStrategy", "ParallelLayout"]
+__all__ = [
+    "CommunicationMeter",
+    "HealthChecks",
+    "HybridConfigError",
+    "HybridMonitor",
+    "HybridPrecision",
+    "HybridStrategy",
+    "ParallelLayout",
+]
 __version__ = "0.1.0"
 
 # Registration must happen at import time in every process (Lightning's launcher re-runs the script per rank).
