@@ -7,11 +7,14 @@ under other layouts and train steps 4-6 with the same global batch; a 1-process 
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import launch, relative_error
+from tests.harness import run_reference
 
 TOL = 1e-5
 SAVE_AT, STEPS = 3, 6
@@ -73,3 +76,113 @@ def test_checkpoint_loads_into_another_layout(reshard_groups: dict[str, Any], ta
     for name, want in original["params"].items():
         err = relative_error(resumed["params"][name], want)
         assert err <= TOL, f"{name} after step {STEPS}: relative error {err:.2e} against the original layout"
+
+
+# ---------------------------------------------------------------- atomic saves, checked loads, async saves (2 ranks)
+SMALL = {"n_layer": 2, "bias": False}
+SMALL_STEPS = 6
+
+
+def _dp2(name: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "model": "nanogpt", "model_kwargs": SMALL, "strategy": {"zero_stage": 1}, "batch_size": 16,
+            "steps": SMALL_STEPS, "data_parallel_size": 2, **extra}  # fmt: skip
+
+
+def _saver(directory: Path) -> dict[str, Any]:
+    # top-1 (the older one is removed at each save) plus last.ckpt, every 2 steps
+    return {"kind": "ModelCheckpoint", "dirpath": str(directory), "every_n_train_steps": 2, "save_top_k": 1,
+            "save_last": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def safety(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Group 1: saves at steps 2 (step=2.ckpt, last.ckpt) and 4 (step=4.ckpt, then last.ckpt), where rank 1 is
+    SIGKILLed inside its 4th save. Group 2: loads damaged copies of step=4.ckpt (errors expected), resumes from
+    ``last``, and runs a save/resume with ``async_checkpoint=True``."""
+    import os
+
+    from lightning_hybrid.checkpoint.io import KILL_IN_SAVE_ENV
+
+    root = tmp_path_factory.mktemp("safety")
+    directory = root / "checkpoints"
+    os.environ[KILL_IN_SAVE_ENV] = "1:4"
+    try:
+        killed = launch(2, [_dp2("killed", callbacks=[_saver(directory)])], root / "group1", timeout=300)
+    finally:
+        del os.environ[KILL_IN_SAVE_ENV]
+    from lightning_hybrid.checkpoint import read_meta
+
+    after_kill = {  # before group 2 saves into the same directory
+        "staging_left": (directory / ".last.ckpt.partial").is_dir(),
+        "last_step": read_meta(directory / "last.ckpt")["global_step"],
+        "visible": sorted(p.name for p in directory.glob("*.ckpt")),
+    }
+    damaged = {}
+    for kind in ("missing-shard", "truncated"):
+        damaged[kind] = root / f"{kind}.ckpt"
+        shutil.copytree(directory / "epoch=0-step=4.ckpt", damaged[kind])
+    (damaged["missing-shard"] / "__1_0.distcp").unlink()
+    shard = damaged["truncated"] / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    scenarios = [
+        _dp2("error-missing-shard", resume_from=str(damaged["missing-shard"]), expect_error=True),
+        _dp2("error-truncated", resume_from=str(damaged["truncated"]), expect_error=True),
+        _dp2(
+            "error-hidden-size",
+            resume_from=str(directory / "epoch=0-step=4.ckpt"),
+            model_kwargs={**SMALL, "n_embd": 64},
+            expect_error=True,
+        ),
+        _dp2("resume-last", resume_from="last", callbacks=[_saver(directory)]),
+        _dp2("async-resume", strategy={"zero_stage": 1, "async_checkpoint": True}, resume_after=3),
+    ]
+    group = launch(2, scenarios, root / "group2", timeout=400)
+    reference = run_reference({"model": "nanogpt", "model_kwargs": SMALL, "data_parallel_size": 2, "batch_size": 16,
+                               "steps": SMALL_STEPS})  # fmt: skip
+    return {"killed": killed, "after_kill": after_kill, "group": group, "reference": reference}
+
+
+def _assert_continues_reference(result: dict[str, Any], reference: dict[str, Any], start: int) -> None:
+    assert len(result["losses"]) == SMALL_STEPS - start, f"expected a resume at step {start}"
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"][start:]), start=start + 1):
+        assert abs(got - want) / abs(want) <= TOL, f"step {step}: loss {got}, uninterrupted single process {want}"
+    for name, want in reference["params"].items():
+        err = relative_error(result["params"][name], want)
+        assert err <= TOL, f"{name} after step {SMALL_STEPS}: relative error {err:.2e}"
+
+
+@pytest.mark.timeout(900)
+def test_killed_save_leaves_previous_checkpoint_and_last_intact(safety: dict[str, Any]) -> None:
+    after_kill = safety["after_kill"]
+    assert safety["killed"].returncode != 0, "rank 1 should have been killed inside the save"
+    assert after_kill["staging_left"], "the killed save should have stopped in its staging directory"
+    assert after_kill["last_step"] == 2, "last.ckpt must still be the step-2 checkpoint"
+    # save_top_k=1 removed step=2.ckpt once step=4.ckpt was complete; the staging directory is not a *.ckpt
+    assert after_kill["visible"] == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    # ckpt_path="last" resumes from step 2 and continues exactly as an uninterrupted run
+    _assert_continues_reference(safety["group"].get("resume-last"), safety["reference"], start=2)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("error-missing-shard", r"shard file __1_0\.distcp is missing"),
+        ("error-truncated", r"shard file __0_0\.distcp is truncated"),
+        ("error-hidden-size", r"`model\.wte\.weight`: the checkpoint holds shape \[128, 32\], the model \[128, 64\]"),
+    ],
+)
+def test_bad_checkpoint_raises_a_clear_error_on_every_rank(safety: dict[str, Any], name: str, match: str) -> None:
+    import re
+
+    errors = safety["group"].expected_errors(name)
+    assert len(errors) == 2, f"every rank must raise (got {len(errors)}):\n{errors}"
+    for text in errors:
+        assert text.startswith("CheckpointError") and re.search(match, text), text
+
+
+@pytest.mark.timeout(900)
+def test_async_save_resumes_exactly(safety: dict[str, Any]) -> None:
+    """Saved in the background at step 3 (the end of the first fit waits for it), resumed in a new Trainer: the
+    worker records both fits' losses, steps 1-6, which equal an uninterrupted single-process run's."""
+    _assert_continues_reference(safety["group"].get("async-resume"), safety["reference"], start=0)

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -51,6 +52,7 @@ OPTIMIZER_HYPERPARAMETERS_KEY = "hybrid_optimizer_param_groups"
 # the save is committed), to test that a killed save leaves the previous checkpoint intact
 KILL_IN_SAVE_ENV = "LIGHTNING_HYBRID_TEST_KILL_IN_SAVE"
 _saves_started = 0
+_COMMIT_WAIT_S = 600.0
 
 
 class CheckpointError(RuntimeError):
@@ -117,6 +119,8 @@ class ShardedCheckpointWriter:
     def __init__(self, asynchronous: bool = False) -> None:
         self.asynchronous = asynchronous
         self._pending: Optional[Any] = None
+        self._staging: Optional[Path] = None
+        self._is_rank_zero = False
         self._commit_thread: Optional[threading.Thread] = None
         self._commit_error: list[BaseException] = []
         self._group: Optional[Any] = None
@@ -160,6 +164,7 @@ class ShardedCheckpointWriter:
             self._group = dist.new_group(backend="gloo")
         response = dcp.async_save(flat, storage_writer=writer, process_group=self._group)
         self._pending = getattr(response, "upload_completion", response)
+        self._staging, self._is_rank_zero = staging, is_rank_zero
         if is_rank_zero:
             pending = self._pending
 
@@ -185,6 +190,15 @@ class ShardedCheckpointWriter:
         if self._commit_error:
             error = self._commit_error.pop()
             raise CheckpointError(f"an asynchronous checkpoint save failed: {error}") from error
+        if not self._is_rank_zero and self._staging is not None:
+            # rank 0 renames the staging directory once every rank has written: wait until the file system shows it,
+            # so that code on this rank may open the checkpoint right away (no collective: wait() also runs on
+            # teardown after an error, when other ranks may not arrive)
+            deadline = time.monotonic() + _COMMIT_WAIT_S
+            while self._staging.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self._staging.exists():
+                raise CheckpointError(f"rank 0 did not commit {self._staging} within {_COMMIT_WAIT_S} s.")
 
     def close(self) -> None:
         self.wait()
