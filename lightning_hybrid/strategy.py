@@ -42,7 +42,8 @@ from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pip
 from lightning_hybrid.data import SkipOnResume
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network, to_plain
 from lightning_hybrid.pipeline.profile import stage_costs
-from lightning_hybrid.precision import HybridPrecision
+from lightning_hybrid.pipeline.stage import InputStub
+from lightning_hybrid.precision import PRECISIONS, HybridPrecision
 from lightning_hybrid.sharding import (
     GradientSync,
     ShardedOptimizer,
@@ -186,7 +187,8 @@ class HybridStrategy(ParallelStrategy):
         self._gradient_norm: Optional[GradientNorm] = None
         self._parallelized: Optional[nn.Module] = None
         self.last_gradient_norm: Optional[float] = None
-        """The global gradient norm (before clipping) at the last step clipped by norm."""
+        """The global gradient norm before clipping at the last optimizer step (None if it overflowed)."""
+        self._step_norm: Optional[float] = None
         self.model_state_bytes: dict[str, int] = {}
         """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
         self.num_nodes = 1
@@ -282,6 +284,7 @@ class HybridStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self._check_unsupported(trainer)
+        self.precision_plugin.device = self.root_device.type  # autocast's device type
         # Lightning calls setup again for each entry point (fit, validate, test, predict) on the same module: the
         # model is split and sharded once
         if self._parallelized is not module:
@@ -294,6 +297,7 @@ class HybridStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._hold_schedulers_on_skipped_steps(trainer)
         self.setup_precision_plugin()
 
     def _parallelize(self, module: pl.LightningModule) -> None:
@@ -330,6 +334,15 @@ class HybridStrategy(ParallelStrategy):
                 )
             replicated = [(n, "avg") for n, p in module.named_parameters() if not isinstance(p, DTensor)]
         held_blocks = [n for n in structure.block_names() if not _is_stub(module.get_submodule(n))]
+        if layout.zero_stage < 3:
+            # '-true' precisions: low-precision parameters (the optimizer keeps fp32 masters); ZeRO-3 instead keeps
+            # fp32 shards as the masters and lets FSDP2 cast them for compute (its MixedPrecisionPolicy)
+            self.precision_plugin.convert_module(module)
+        if self.precision_plugin.master_dtype is not None:
+            # stand-ins for other stages' input modules must produce what those modules now compute in
+            for stub in module.modules():
+                if isinstance(stub, InputStub) and stub.dtype.is_floating_point:
+                    stub.dtype = self.precision_plugin.compute_dtype
         if self._activation_checkpointing:
             from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing
 
@@ -341,11 +354,27 @@ class HybridStrategy(ParallelStrategy):
                 roots += [n for n, c in module.named_children() if n != structure.network_name and _has_params(c)]
             else:
                 roots = []  # each pipeline stage module becomes the FSDP2 root of its own parameters (below)
-            dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"])
+            dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"], **self._fsdp_kwargs())
+            if dp_replicated and self.precision_plugin.master_dtype is not None:
+                raise HybridConfigError(
+                    f"`precision={self.precision_plugin.precision!r}` with `zero_stage=3` cannot hold the fused"
+                    f" tensor-parallel biases {dp_replicated} (FSDP2 leaves them out, so nothing casts them). Use"
+                    " zero_stage=1 or 2 with this precision, or a '-mixed' precision with zero_stage=3."
+                )
         if split is not None:
             self._pipeline = self._build_runner(module, structure, split)
             self._tied_sync = self._tied_gradient_sync(module, structure, split)
         self._gradient_sync = GradientSync(module, replicated, mesh["tensor"], dp_replicated, mesh["data"])
+
+    def _fsdp_kwargs(self) -> dict[str, Any]:
+        """FSDP2 arguments for ZeRO-3: under '-true' precisions the fp32 shards are the master weights, cast to the
+        low precision for compute, with gradients reduced and accumulated in fp32."""
+        plugin = self.precision_plugin
+        if plugin.master_dtype is None:
+            return {}
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=plugin.compute_dtype, reduce_dtype=plugin.master_dtype)}
 
     def _cut_pipeline(self, module: pl.LightningModule, structure: ModelStructure) -> Any:
         layout, options = self.layout, self._pipeline_options
@@ -402,13 +431,13 @@ class HybridStrategy(ParallelStrategy):
             if self._zero3_gradient_sync == "per_step":
                 # the stage module is the FSDP2 root: torch's PipelineStage then accumulates unsharded gradients
                 # over micro-batches and reduce-scatters once per step
-                fully_shard(stage, mesh=self.device_mesh["data"])
+                fully_shard(stage, mesh=self.device_mesh["data"], **self._fsdp_kwargs())
             else:
                 # every block (and each input/output module) is its own FSDP2 root, which reduce-scatters its
                 # gradients and frees the unsharded ones after each micro-batch's backward
                 for part in stage.parts:
                     if not isinstance(part, FSDPModule):
-                        fully_shard(part, mesh=self.device_mesh["data"])
+                        fully_shard(part, mesh=self.device_mesh["data"], **self._fsdp_kwargs())
             return stage
 
         return PipelineRunner(
@@ -460,9 +489,8 @@ class HybridStrategy(ParallelStrategy):
         if not isinstance(self.precision_plugin, HybridPrecision):
             name = getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__)
             raise HybridConfigError(
-                f"`Trainer(precision={name!r})` is not supported by HybridStrategy yet: fp16 needs a loss scaler"
-                " agreed by all ranks and '-true' modes need fp32 master weights inside ZeRO. Use precision='32-true'"
-                " or 'bf16-mixed'."
+                f"`Trainer(precision={name!r})` is not supported by HybridStrategy: use one of"
+                f" {list(PRECISIONS)}, or pass `plugins=[HybridPrecision(...)]`."
             )
 
     @override
@@ -470,7 +498,12 @@ class HybridStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         stage = self.layout.zero_stage
         self._sharded_optimizers = (
-            [ShardedOptimizer(opt, stage=stage, dp_mesh=self.device_mesh["data"]) for opt in self.optimizers]
+            [
+                ShardedOptimizer(
+                    opt, stage=stage, dp_mesh=self.device_mesh["data"], master_dtype=self.precision_plugin.master_dtype
+                )
+                for opt in self.optimizers
+            ]
             if stage < 3
             else []
         )
@@ -507,12 +540,12 @@ class HybridStrategy(ParallelStrategy):
 
     def _run_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None
-        with (
-            self.precision_plugin.train_step_context() if name == "training_step" else nullcontext(),
-            self._loss_context(),
-        ):
+        context = getattr(self.precision_plugin, f"{name.split('_')[0].replace('training', 'train')}_step_context")
+        with context(), self._loss_context():
             with _plain_logging(self.lightning_module, self.device_mesh["data"]):
                 if self._pipeline is not None:
+                    # the schedule runs backward inside the step: the fp16 loss scale is applied there
+                    self._pipeline.loss_scale = self.precision_plugin.loss_scale or 1.0
                     return self._pipeline.run(name, *args, *kwargs.values())
                 output = getattr(self.lightning_module, name)(*args, **kwargs)
         return apply_to_collection(output, DTensor, to_plain)
@@ -551,19 +584,52 @@ class HybridStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         sharded = self._sharded_for(optimizer)
+        plugin = self.precision_plugin
 
         def closure_then_reduce() -> Any:
+            # order on the gradients the optimizer steps on: reduce, unscale (fp16), agree on overflow world-wide,
+            # global norm; Lightning's hooks and clipping follow, then the step (skipped on every rank on overflow)
             result = closure()
             self.reduce_gradients(sharded)
+            assert self._gradient_norm is not None
+            found_inf = plugin.unscale_gradients_(self._gradient_norm.gradients(), self.root_device)
+            self.last_gradient_norm = self._step_norm = None if found_inf else self._gradient_norm.total()
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        try:
+            output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        finally:
+            self._step_norm = None
         self.model_state_bytes = measure_model_state_bytes(
             self.lightning_module, self.optimizers, self._sharded_optimizers or None
         )
-        if sharded is not None:
+        if plugin.found_inf:
+            # weights and optimizer state stay as they were; the overflowed gradients go
+            if sharded is not None:
+                sharded.discard_gradients()
+            for p in self.lightning_module.parameters():
+                p.grad = None
+        elif sharded is not None:
             sharded.gather_parameters()
         return output
+
+    def _hold_schedulers_on_skipped_steps(self, trainer: pl.Trainer) -> None:
+        """A step skipped for gradient overflow must not advance per-step LR schedulers (as in Megatron). Lightning
+        steps them through the module's ``lr_scheduler_step`` hook after every optimizer step, so the hook is
+        wrapped (on this module instance, until teardown) to pass over them after a skipped step."""
+        if self.precision_plugin.scaler is None or not trainer.lr_scheduler_configs:
+            return
+        module = self.lightning_module
+        per_step = {id(c.scheduler) for c in trainer.lr_scheduler_configs if c.interval == "step"}
+        hook = module.lr_scheduler_step
+        plugin = self.precision_plugin
+
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            if plugin.found_inf and id(scheduler) in per_step:
+                return
+            hook(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
 
     def _sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
         raw = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the user's optimizer
@@ -573,7 +639,8 @@ class HybridStrategy(ParallelStrategy):
         """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
         device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
         assert self._gradient_norm is not None, "set up the optimizers first"
-        self.last_gradient_norm = self._gradient_norm.clip_(max_norm)
+        # inside a step the norm was just taken (after the reduction and unscaling): clipping reuses it
+        self.last_gradient_norm = self._gradient_norm.clip_(max_norm, norm=self._step_norm)
         return self.last_gradient_norm
 
     def gradient_norm(self) -> float:
@@ -592,6 +659,8 @@ class HybridStrategy(ParallelStrategy):
 
         Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself).
         """
+        for z in self._sharded_optimizers:
+            z.fold_gradients()  # fp32 accumulation of low-precision gradients, before any reduction reads them
         if self._tied_sync is not None:
             self._tied_sync()
         if self._gradient_sync is not None:
@@ -729,6 +798,8 @@ class HybridStrategy(ParallelStrategy):
         assert self.accelerator is not None
         if self.lightning_module is not None and getattr(self, "_example_input_array", None) is not None:
             self.lightning_module.example_input_array = self._example_input_array
+        if self.lightning_module is not None:
+            self.lightning_module.__dict__.pop("lr_scheduler_step", None)  # see _hold_schedulers_on_skipped_steps
         self._checkpoint_writer.wait()  # the end of training waits for a background checkpoint save
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -118,6 +118,8 @@ class PipelineRunner:
         self._stashed: list[tuple[nn.Parameter, Tensor]] = []
         self.timeline = StepTimeline(rank=dist.get_rank())
         self._clock = 0.0
+        self.loss_scale = 1.0
+        """Multiplies the loss the schedule differentiates (fp16 loss scaling; the strategy sets it each step)."""
         last_rank = split.plan.owner[self.last_stage]
         self._last_global_rank = dist.get_global_rank(pp_mesh.get_group(), last_rank)
 
@@ -218,12 +220,13 @@ class PipelineRunner:
         out = apply_to_collection(out, DTensor, to_plain)
         if step.mode != "training_step":
             step.outputs.append(apply_to_collection(out, Tensor, lambda t: t.detach()))
-            return torch.zeros(1, device=self.device)
+            return torch.zeros(1, dtype=torch.float32, device=self.device)
         loss = out if isinstance(out, Tensor) else out["loss"]
         step.losses.append(loss.detach())
         # the micro-batch mean gives the full batch's mean-loss gradient, as on one device
         # shape [1], not a scalar: schedules concatenate last-stage outputs across micro-batches
-        return (loss / len(step.microbatches)).reshape(1)
+        # in fp32: a scaled fp16 loss would overflow fp16 (4.0 x 2**16 > 65504)
+        return (loss.float() * (self.loss_scale / len(step.microbatches))).reshape(1)
 
     def _partial_forward(self, stage: int, received: Optional[Tensor], args: tuple, kwargs: dict) -> Any:
         from lightning_hybrid.pipeline.stage import StageBoundary
@@ -284,7 +287,8 @@ class PipelineRunner:
             # example tensors' requires_grad tells the stage which gradients cross stage borders
             example = hidden.detach().clone().requires_grad_(training)
             inputs = torch.zeros(1, dtype=torch.long, device=self.device) if s == 0 else example
-            outputs = example if s != self.last_stage else torch.zeros(1, device=self.device).requires_grad_(training)
+            loss_meta = torch.zeros(1, dtype=torch.float32, device=self.device).requires_grad_(training)
+            outputs = example if s != self.last_stage else loss_meta
             stage = pipelining.PipelineStage(
                 module, s, self.split.num_stages, self.device, input_args=inputs, output_args=outputs, group=group
             )

@@ -1,8 +1,16 @@
 """HybridPrecision: Lightning's precision plugin for HybridStrategy.
 
-This release covers ``"32-true"`` and ``"bf16-mixed"`` (bf16 autocast over fp32 parameters) and clips gradients by
-the *global* norm across tensor, pipeline and ZeRO shards (Lightning's own plugins clip each rank's shard by its own
-norm). fp16 with a loss scaler agreed by all ranks and the ``-true`` modes with fp32 master weights are not in it.
+Lightning's own plugins assume one rank sees all of a parameter's gradient: their clipping norm is the rank's shard
+norm, their fp16 scaler skips a step on one rank while its TP/PP peers step, and their ``-true`` modes have no fp32
+master weights. Under HybridStrategy:
+
+* ``"32-true"``: fp32 everywhere;
+* ``"bf16-mixed"`` / ``"16-mixed"``: fp32 parameters, bf16/fp16 autocast;
+* ``"bf16-true"`` / ``"16-true"``: bf16/fp16 parameters and activations; the optimizer steps fp32 master weights (one
+  copy, sharded by ZeRO) with fp32 state, and gradients are accumulated over micro-batches in fp32;
+* fp16 modes scale the loss with a :class:`~lightning_hybrid.precision.DynamicLossScaler` whose overflow check is
+  agreed by every rank;
+* clipping by norm uses the global norm over every TP, PP and ZeRO shard, after unscaling, before the step.
 """
 
 from __future__ import annotations
@@ -12,36 +20,99 @@ from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning_utilities import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import LBFGS
 from typing_extensions import override
 
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.precision.loss_scaler import DynamicLossScaler
 
-__all__ = ["HybridPrecision"]
+__all__ = ["HybridPrecision", "PRECISIONS"]
 
-_SUPPORTED = ("32-true", "bf16-mixed")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+_LOW = {"bf16": torch.bfloat16, "16": torch.float16}
 
 
 class HybridPrecision(Precision):
     """Precision plugin used by :class:`~lightning_hybrid.HybridStrategy` for ``Trainer(precision=...)``.
 
+    ``Trainer(precision="16-mixed")`` (or any name in ``PRECISIONS``) picks it with default settings; pass it as a
+    plugin to set the loss scaler: ``Trainer(plugins=[HybridPrecision("16-mixed", initial_scale=2**12)])``.
+
+    Arguments:
+        precision: one of ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``.
+        device: the autocast device type (``"cuda"`` or ``"cpu"``); the strategy sets it from its device.
+        initial_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, on_min_scale: the
+            dynamic loss scaler of the fp16 modes (see :class:`~lightning_hybrid.precision.DynamicLossScaler`;
+            Megatron/DeepSpeed defaults). Ignored by the other modes.
+
     Example:
         >>> import lightning as L
-        >>> from lightning_hybrid import HybridStrategy
-        >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(), precision="bf16-mixed")
+        >>> from lightning_hybrid import HybridPrecision, HybridStrategy
+        >>> plugin = HybridPrecision("16-mixed", growth_interval=500)
+        >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(), plugins=[plugin])
     """
 
-    def __init__(self, precision: Literal["32-true", "bf16-mixed"] = "32-true", device: str = "cpu") -> None:
-        if precision not in _SUPPORTED:
+    def __init__(
+        self,
+        precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"] = "32-true",
+        device: str = "cpu",
+        *,
+        initial_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        on_min_scale: Literal["warn", "stop"] = "warn",
+    ) -> None:
+        if precision not in PRECISIONS:
             raise HybridConfigError(
-                f"`HybridPrecision(precision={precision!r})` is not supported yet; use one of {list(_SUPPORTED)}."
+                f"`HybridPrecision(precision={precision!r})` is not supported; use one of {list(PRECISIONS)}"
+                " (fp8 and 64-bit are not)."
             )
         self.precision = precision
         self.device = device
+        kind, mode = precision.split("-")
+        self.compute_dtype: torch.dtype = _LOW.get(kind, torch.float32)
+        """The dtype matrix multiplications run in."""
+        self.parameter_dtype: torch.dtype = self.compute_dtype if mode == "true" else torch.float32
+        """The dtype of the model's parameters (``-true`` modes: low precision; the optimizer holds fp32 masters)."""
+        self.master_dtype: Optional[torch.dtype] = torch.float32 if self.parameter_dtype != torch.float32 else None
+        """The dtype of the master weights the optimizer steps, when the parameters are of lower precision."""
+        self.scaler: Optional[DynamicLossScaler] = None
+        if kind == "16":
+            self.scaler = DynamicLossScaler(
+                initial_scale=initial_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                min_scale=min_scale,
+                on_min_scale=on_min_scale,
+            )
         self._clip_by_norm: Optional[Callable[[float], float]] = None
+        self.found_inf = False
+        """Whether the current/last optimizer step saw an overflow on some rank (and was skipped)."""
         self.last_gradient_norm: Optional[float] = None
         """The global gradient norm before clipping, at the last clipped step."""
 
+    # ------------------------------------------------------------------ metrics
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The current loss scale (None when the mode does not scale the loss)."""
+        return self.scaler.scale if self.scaler is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because gradients overflowed (running count; 0 without a loss scaler)."""
+        return self.scaler.skipped_steps if self.scaler is not None else 0
+
+    # ------------------------------------------------------------------ Lightning's plugins mapped to this one
     @classmethod
     def from_lightning(cls, plugin: Optional[Precision]) -> Optional[Precision]:
         """The HybridPrecision equivalent of the plugin Lightning picked for ``Trainer(precision=...)``; other
@@ -50,20 +121,90 @@ class HybridPrecision(Precision):
             return plugin
         if type(plugin) is Precision:
             return cls("32-true")
-        if type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
-            return cls("bf16-mixed", plugin.device)
+        if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
+            return cls(plugin.precision, plugin.device)
+        if type(plugin) is HalfPrecision:
+            return cls(plugin.precision)
         return plugin
+
+    # ------------------------------------------------------------------ model and data
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=self.parameter_dtype) if self.parameter_dtype != torch.float32 else module
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.parameter_dtype == torch.float32:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.parameter_dtype)
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.precision == "bf16-mixed":
-            with torch.autocast(self.device, dtype=torch.bfloat16):
+        if self.parameter_dtype != torch.float32:
+            # tensors made inside the forward (masks, positions) take the parameters' dtype, as with HalfPrecision
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(self.parameter_dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(default)
+        elif self.compute_dtype != torch.float32:
+            with torch.autocast(self.device, dtype=self.compute_dtype):
                 yield
         else:
             yield
 
+    # ------------------------------------------------------------------ loss scaling
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        if self.scaler is not None:
+            tensor = tensor.float() * self.scaler.scale  # in fp32: 4.0 x 2**16 overflows fp16
+        return super().pre_backward(tensor, module)
+
+    def unscale_gradients_(self, gradients: list[Tensor], device: torch.device) -> bool:
+        """Unscale the gradients the optimizer will step on and agree, world-wide, whether any overflowed.
+
+        Called by the strategy once per optimizer step, after the gradient reduction; returns ``found_inf``.
+        """
+        self.found_inf = self.scaler.unscale_(gradients, device) if self.scaler is not None else False
+        return self.found_inf
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.scaler is None:
+            self.found_inf = False
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise HybridConfigError("fp16 loss scaling cannot step LBFGS (its step re-evaluates the closure).")
+        # the closure runs forward, backward, the reduction, the unscale and the overflow check (strategy), then the
+        # hooks and clipping (_after_closure); the step itself is skipped on every rank if any rank overflowed
+        closure_result = self._wrap_closure(model, optimizer, closure)
+        found_inf = self.found_inf
+        self.scaler.update(found_inf)
+        if found_inf or (closure_result is None and model.automatic_optimization):
+            return closure_result
+        return optimizer.step(**kwargs)
+
+    # ------------------------------------------------------------------ clipping
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        if self.found_inf:
+            return  # the step is skipped; the norm of overflowed gradients means nothing
         if self._clip_by_norm is None:
             raise RuntimeError("HybridPrecision clips by norm only inside HybridStrategy.")
         self.last_gradient_norm = self._clip_by_norm(float(clip_val))
+
+    @override
+    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        if not self.found_inf:
+            super().clip_grad_by_value(optimizer, clip_val)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])

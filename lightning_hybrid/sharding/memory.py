@@ -51,7 +51,8 @@ def expected_model_state_bytes(
     *,
     zero_stage: int,
     data_parallel_size: int,
-    param_bytes: int = 4,
+    precision: str = "32-true",
+    param_bytes: Optional[int] = None,
     grad_bytes: int = 4,
     master_bytes: int = 4,
     optimizer_states: int = 2,
@@ -60,19 +61,26 @@ def expected_model_state_bytes(
     """The ZeRO formula (Rajbhandari et al., 2020) per rank for ``local_numel`` parameters (already split by TP/PP).
 
     Stages 1/2 keep a master copy of the rank's shard inside the optimizer (as DeepSpeed does); stage 3 steps the
-    sharded parameters themselves, so it has no separate master copy when parameters are fp32.
+    sharded parameters themselves, so it has no separate master copy. ``precision``: the ``-mixed`` modes hold what
+    ``32-true`` holds; ``bf16-true``/``16-true`` hold 2-byte parameters, an fp32 master copy in the optimizer (even
+    at stage 0) and fp32 gradients; at stage 3 the fp32 shard is the master and the 2-byte copies are transient.
 
     Example:
         >>> expected_model_state_bytes(1000, zero_stage=1, data_parallel_size=2)["optimizer_state"]
         6000.0
+        >>> expected_model_state_bytes(1000, zero_stage=1, data_parallel_size=2, precision="bf16-true")["parameters"]
+        2000
     """
     dp = data_parallel_size
+    low = precision in ("bf16-true", "16-true")
+    if param_bytes is None:
+        param_bytes = 2 if low and zero_stage < 3 else 4
     optimizer = optimizer_states * state_bytes
     return {
         0: {
             "parameters": param_bytes * local_numel,
             "gradients": grad_bytes * local_numel,
-            "optimizer_state": optimizer * local_numel,
+            "optimizer_state": (optimizer + (master_bytes if low else 0)) * local_numel,
         },
         1: {
             "parameters": param_bytes * local_numel,

@@ -76,14 +76,17 @@ class GradientNorm:
     def _segments(self, zero: ShardedOptimizer) -> list[list[_Segment]]:
         """Per flat group, the weighted pieces of this rank's shard (a shard can span several parameters)."""
         out = []
+        # an unsharded master (stage 0 with low-precision parameters) is held whole by every data-parallel replica
+        copies = 1 if zero.sharded else zero.dp
         for group in zero.groups:
-            lo, hi = zero.dp_rank * group.shard_size, (zero.dp_rank + 1) * group.shard_size
+            lo = zero.dp_rank * group.shard_size if zero.sharded else 0
+            hi = lo + group.shard_size
             pieces, offset = [], 0
             for p in group.params:
                 n = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
                 start, end = max(offset, lo), min(offset + n, hi)
                 if start < end:
-                    pieces.append(_Segment(start - lo, end - lo, self.weights.get(id(p), 1.0)))
+                    pieces.append(_Segment(start - lo, end - lo, self.weights.get(id(p), 1.0) / copies))
                 offset += n
             out.append(pieces)
         return out
@@ -91,7 +94,7 @@ class GradientNorm:
     def _gradients(self) -> list[tuple[Tensor, Optional[list[_Segment]], float]]:
         """(local gradient, weighted segments or None, weight) for every gradient the optimizers step on."""
         out: list[tuple[Tensor, Optional[list[_Segment]], float]] = []
-        if self.sharded and self.zero_stage in (1, 2):
+        if self.sharded and all(z.uses_masters for z in self.sharded):
             for zero, segments in zip(self.sharded, self.segments):
                 for group, pieces in zip(zero.groups, segments):
                     if group.master is not None and group.master.grad is not None:
@@ -107,6 +110,10 @@ class GradientNorm:
             weight = self.weights.get(id(p), 1.0) / (self.dp if replicated_over_data else 1)
             out.append((grad, None, weight))
         return out
+
+    def gradients(self) -> list[Tensor]:
+        """Every gradient tensor the optimizers will step on, on this rank (to unscale, clip or check)."""
+        return [grad for grad, _, _ in self._gradients()]
 
     @torch.no_grad()
     def total(self) -> float:
@@ -125,9 +132,11 @@ class GradientNorm:
         return math.sqrt(max(squares.item(), 0.0))
 
     @torch.no_grad()
-    def clip_(self, max_norm: float, eps: float = 1e-6) -> float:
-        """Scale every gradient by ``min(1, max_norm / (norm + eps))`` (torch's formula); returns the norm."""
-        norm = self.total()
+    def clip_(self, max_norm: float, eps: float = 1e-6, norm: Optional[float] = None) -> float:
+        """Scale every gradient by ``min(1, max_norm / (norm + eps))`` (torch's formula); returns the norm.
+
+        ``norm``: the global norm if the caller has just computed it for these gradients (saves a collective)."""
+        norm = self.total() if norm is None else norm
         coefficient = max_norm / (norm + eps)
         if coefficient < 1.0:
             for grad, _, _ in self._gradients():

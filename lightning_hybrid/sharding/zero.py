@@ -47,9 +47,17 @@ def local_tensor(t: Tensor) -> Tensor:
 def local_grad(p: nn.Parameter) -> Optional[Tensor]:
     """This rank's gradient storage for ``p``, laid out like ``p``'s own local tensor.
 
+    With ``-true`` precisions this is the parameter's fp32 ``main_grad`` view (see :class:`ShardedOptimizer`).
     DTensor autograd may leave a gradient in another placement than its parameter (a vocab-parallel embedding's
     gradient comes back Replicate); redistributing it to the parameter's placement first keeps flat offsets aligned.
     """
+    main = getattr(p, "main_grad", None)
+    if main is not None:
+        return main  # low-precision parameters accumulate into an fp32 buffer (ShardedOptimizer with masters)
+    return _autograd_local_grad(p)
+
+
+def _autograd_local_grad(p: nn.Parameter) -> Optional[Tensor]:
     g = p.grad
     if g is None:
         return None
@@ -97,7 +105,7 @@ class GradientSync:
 
     def __call__(self) -> None:
         if self.dp_mesh is not None and self.dp_mesh.size() > 1:
-            params = [p for p in self.dp_replicated if p.grad is not None]
+            params = [p for p in self.dp_replicated if local_grad(p) is not None]
             if params:
                 flat = _flat_grads(params)
                 _all_reduce_mean(flat, self.dp_mesh.get_group(), self.dp_mesh.size())
@@ -106,7 +114,7 @@ class GradientSync:
             return
         group = self.tp_mesh.get_group()
         for op, params in self.buckets.items():
-            params = [p for p in params if p.grad is not None]
+            params = [p for p in params if local_grad(p) is not None]
             if not params:
                 continue
             flat = _flat_grads(params)
@@ -129,12 +137,17 @@ def _unflatten_into(targets: list[Tensor], flat: Tensor) -> None:
 class _FlatGroup:
     params: list[nn.Parameter]
     numel: int
-    shard_size: int
-    master: Optional[nn.Parameter]  # this rank's shard (stage 1/2)
+    shard_size: int  # elements of the flat group this rank steps (all of them when not sharded)
+    master: Optional[nn.Parameter]  # the master copy of those elements (stage 1/2, or low-precision parameters)
+    grad_buffer: Optional[Tensor] = None  # fp32 gradient accumulation (low-precision parameters)
 
 
 class ShardedOptimizer:
     """ZeRO stage 0/1/2 around a user's optimizer, over the data-parallel group.
+
+    ``master_dtype`` (fp32 with ``bf16-true``/``16-true`` parameters): the optimizer steps master weights of that
+    dtype (sharded at stage 1/2, whole at stage 0) and every micro-batch's gradient is added into a flat fp32 buffer
+    (``p.main_grad``, as in Megatron) right after autograd produces it, so accumulation is in fp32 too.
 
     Example:
         >>> # strategy code, after configure_optimizers:
@@ -142,43 +155,104 @@ class ShardedOptimizer:
         >>> # closure(); zero.reduce_gradients(); optimizer.step(); zero.gather_parameters()
     """
 
-    def __init__(self, optimizer: Optimizer, *, stage: int, dp_mesh: DeviceMesh) -> None:
+    def __init__(
+        self, optimizer: Optimizer, *, stage: int, dp_mesh: DeviceMesh, master_dtype: Optional[torch.dtype] = None
+    ) -> None:
         assert stage in (0, 1, 2)
         self.optimizer = optimizer
         self.stage = stage
         self.group = dp_mesh.get_group()
         self.dp = dp_mesh.size()
         self.dp_rank = dp_mesh.get_local_rank()
+        self.sharded = stage >= 1
+        self.uses_masters = self.sharded or master_dtype is not None
         self.groups: list[_FlatGroup] = []
         self._flat_grads: list[Optional[Tensor]] = []
         for param_group in optimizer.param_groups:
             params = [p for p in param_group["params"] if p.requires_grad]
             numel = sum(local_tensor(p).numel() for p in params)
-            shard = -(-numel // self.dp)
+            shard = -(-numel // self.dp) if self.sharded else numel
             master = None
-            if stage >= 1 and params:
+            if self.uses_masters and params:
                 with torch.no_grad():
                     flat = torch.cat([local_tensor(p).detach().reshape(-1) for p in params])
-                    flat = torch.cat([flat, flat.new_zeros(shard * self.dp - numel)])
-                    master = nn.Parameter(flat[self.dp_rank * shard : (self.dp_rank + 1) * shard].clone())
+                    flat = flat.to(master_dtype or flat.dtype)
+                    flat = torch.cat([flat, flat.new_zeros(self._padded(shard) - numel)])
+                    start = self.dp_rank * shard if self.sharded else 0
+                    master = nn.Parameter(flat[start : start + shard].clone())
                 param_group["params"] = [master]
             self.groups.append(_FlatGroup(params, numel, shard, master))
-        if stage >= 1:
+        if self.uses_masters:
             optimizer.state.clear()  # state of full parameters (if any) no longer matches the shards
+        self.accumulates_in_fp32 = master_dtype is not None
+        self._group_of = {id(p): g for g in self.groups for p in g.params}
+        if self.accumulates_in_fp32:
+            for p in self.model_parameters:
+                p.register_post_accumulate_grad_hook(self._fold)
+
+    def _padded(self, shard: int) -> int:
+        return shard * self.dp if self.sharded else shard
 
     @property
     def model_parameters(self) -> list[nn.Parameter]:
         return [p for g in self.groups for p in g.params]
 
+    # ------------------------------------------------------------------ fp32 gradient accumulation
+    def _ensure_buffer(self, g: _FlatGroup) -> None:
+        if g.grad_buffer is not None:
+            return
+        assert g.master is not None
+        g.grad_buffer = torch.zeros(self._padded(g.shard_size), dtype=g.master.dtype, device=g.master.device)
+        offset = 0
+        for p in g.params:
+            local = local_tensor(p)
+            p.main_grad = g.grad_buffer[offset : offset + local.numel()].view(local.shape)
+            offset += local.numel()
+
+    @torch.no_grad()
+    def _fold(self, p: nn.Parameter) -> None:
+        """Add ``p``'s low-precision gradient into its fp32 ``main_grad`` and free it (autograd hook)."""
+        g = _autograd_local_grad(p)
+        if g is None:
+            return
+        self._ensure_buffer(self._group_of[id(p)])
+        p.main_grad.add_(g)
+        p.grad = None
+
+    def fold_gradients(self) -> None:
+        """Fold gradients left on parameters by paths that skip autograd's hooks (e.g. a pipeline schedule's
+        separate weight-gradient pass). Call before any gradient reduction."""
+        if self.accumulates_in_fp32:
+            for p in self.model_parameters:
+                self._fold(p)
+
+    def _release_buffers(self, *, free: bool) -> None:
+        for g in self.groups:
+            if g.grad_buffer is None:
+                continue
+            if free:  # stage 2 keeps only the reduce-scattered shard between steps
+                g.grad_buffer = None
+                for p in g.params:
+                    p.main_grad = None
+            else:
+                g.grad_buffer.zero_()
+
+    # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Average gradients over the data-parallel group, once per optimizer step."""
+        self.fold_gradients()
         self._flat_grads = []
         for g in self.groups:
             if not g.params:
                 self._flat_grads.append(None)
                 continue
-            flat = _flat_grads(g.params, pad_to=g.shard_size * self.dp)
+            if g.grad_buffer is not None:
+                flat = g.grad_buffer
+            else:
+                flat = _flat_grads(g.params, pad_to=self._padded(g.shard_size))
+                if g.master is not None:
+                    flat = flat.to(g.master.dtype)
             if self.stage == 2:
                 shard = flat.new_empty(g.shard_size)
                 _reduce_scatter(shard, flat, group=self.group)
@@ -190,39 +264,58 @@ class ShardedOptimizer:
                 continue
             if self.dp > 1:
                 _all_reduce_mean(flat, self.group, self.dp)
-            if self.stage == 0:
+            if g.master is None:
                 for p in g.params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 _unflatten_into([local_grad(p) for p in g.params], flat[: g.numel])
             else:
-                g.master.grad = flat[self.dp_rank * g.shard_size : (self.dp_rank + 1) * g.shard_size]
+                start = self.dp_rank * g.shard_size if self.sharded else 0
+                g.master.grad = flat[start : start + g.shard_size]
                 for p in g.params:
                     p.grad = None
             self._flat_grads.append(flat)
+        if self.stage == 2:
+            self._release_buffers(free=True)
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """After the step: all-gather every rank's updated shard into the model's parameters; drop gradients."""
-        if self.stage == 0:
+        if not self.uses_masters:
             return
         for g in self.groups:
             if g.master is None:
                 continue
-            full = g.master.new_empty(g.shard_size * self.dp)
-            _all_gather(full, g.master.detach(), group=self.group)
+            # cast first: low-precision parameters need only low-precision bytes on the wire
+            updated = g.master.detach().to(g.params[0].dtype)
+            full = updated
+            if self.sharded:
+                full = updated.new_empty(g.shard_size * self.dp)
+                _all_gather(full, updated, group=self.group)
             _unflatten_into([local_tensor(p) for p in g.params], full[: g.numel])
             g.master.grad = None
+        self._release_buffers(free=False)
+        self._flat_grads = []
+
+    @torch.no_grad()
+    def discard_gradients(self) -> None:
+        """A skipped step (gradient overflow): drop every gradient, leave parameters and optimizer state as they are."""
+        for g in self.groups:
+            if g.master is not None:
+                g.master.grad = None
+            for p in g.params:
+                p.grad = None
+        self._release_buffers(free=self.stage == 2)
         self._flat_grads = []
 
     def gathered_gradients(self) -> list[Optional[Tensor]]:
         """Each parameter's data-parallel-reduced local gradient, in ``model_parameters`` order (for inspection)."""
         out: list[Optional[Tensor]] = []
         for g, flat in zip(self.groups, self._flat_grads or [None] * len(self.groups)):
-            if self.stage == 0:
+            if g.master is None:
                 out.extend(local_grad(p) for p in g.params)
                 continue
-            if flat is None and g.master is not None and g.master.grad is not None:
+            if flat is None and g.master.grad is not None:
                 flat = g.master.grad.new_empty(g.shard_size * self.dp)
                 _all_gather(flat, g.master.grad, group=self.group)
             offset = 0
@@ -233,25 +326,29 @@ class ShardedOptimizer:
         return out
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer-owned tensors on this rank (state and, for stage 1/2, the master shard)."""
+        """Bytes of optimizer-owned tensors on this rank (state and the master copy, if any)."""
         tensors = [local_tensor(t) for s in self.optimizer.state.values() for t in s.values() if isinstance(t, Tensor)]
         total = sum(t.numel() * t.element_size() for t in tensors if t.dim() > 0)
         return total + sum(g.master.numel() * g.master.element_size() for g in self.groups if g.master is not None)
 
     def gradient_bytes(self) -> int:
-        if self.stage == 0:
-            return sum(
-                local_tensor(p.grad).numel() * p.grad.element_size()
-                for p in self.model_parameters
-                if p.grad is not None
-            )
-        if self.stage == 1:
-            return sum(f.numel() * f.element_size() for f in self._flat_grads if f is not None)
-        return sum(
-            g.master.grad.numel() * g.master.grad.element_size()
-            for g in self.groups
-            if g.master is not None and g.master.grad is not None
-        )
+        """Bytes of gradients this rank holds at the step (full, reduced-shard or fp32 accumulation buffer)."""
+        total = 0
+        for g, flat in zip(self.groups, self._flat_grads or [None] * len(self.groups)):
+            if g.grad_buffer is not None:
+                total += _nbytes(g.grad_buffer)  # the master's gradient is a view of it
+            elif self.stage == 2 or (g.master is not None and flat is None):
+                total += _nbytes(g.master.grad) if g.master is not None and g.master.grad is not None else 0
+            elif g.master is not None:
+                total += _nbytes(flat)
+            else:
+                total += sum(_nbytes(p.grad) for p in g.params if p.grad is not None)
+        return total
+
+
+def _nbytes(t: Tensor) -> int:
+    t = local_tensor(t)
+    return t.numel() * t.element_size()
 
 
 def _strided(p: nn.Parameter) -> bool:

@@ -1,0 +1,145 @@
+"""Dynamic loss scaling for fp16, agreed by every rank of a 3D mesh.
+
+torch's ``GradScaler`` has no hysteresis and no minimum scale, checks only the gradients of the optimizer it is given
+(one rank's shard), and its FSDP variant agrees over one process group. In 3D parallel every rank holds a different
+slice of the gradients (tensor shards, pipeline stages, ZeRO shards), so the overflow flag must be reduced over the
+whole world or ranks would disagree about skipping a step and the replicas would drift apart. Hence this small
+class; the unscale itself is torch's fused ``_amp_foreach_non_finite_check_and_unscale_``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["DynamicLossScaler", "LossScaleError"]
+
+
+class LossScaleError(RuntimeError):
+    """Raised (on every rank alike) when gradients overflow at the minimum scale and ``on_min_scale="stop"``."""
+
+
+class DynamicLossScaler:
+    """Megatron/DeepSpeed-style dynamic loss scale.
+
+    * an overflow (inf/NaN in any gradient on any rank) skips the step, resets the count of clean steps and uses up
+      one unit of ``hysteresis``; once it is used up, every further overflow multiplies the scale by
+      ``backoff_factor`` (never below ``min_scale``);
+    * ``growth_interval`` clean steps in a row multiply the scale by ``growth_factor`` and refill the hysteresis.
+
+    At ``min_scale``, an overflow warns and the step is skipped (training goes on); ``on_min_scale="stop"`` raises
+    :class:`LossScaleError` instead.
+
+    Example:
+        >>> scaler = DynamicLossScaler(initial_scale=8.0, hysteresis=1)
+        >>> scaler.update(found_inf=True)
+        >>> scaler.scale, scaler.skipped_steps
+        (4.0, 1)
+    """
+
+    def __init__(
+        self,
+        initial_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        on_min_scale: Literal["warn", "stop"] = "warn",
+    ) -> None:
+        checks = {
+            "initial_scale": initial_scale > 0,
+            "growth_factor": growth_factor > 1,
+            "backoff_factor": 0 < backoff_factor < 1,
+            "growth_interval": isinstance(growth_interval, int) and growth_interval >= 1,
+            "hysteresis": isinstance(hysteresis, int) and hysteresis >= 1,
+            "min_scale": 0 < min_scale <= initial_scale,
+            "on_min_scale": on_min_scale in ("warn", "stop"),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            values = {
+                "initial_scale": initial_scale,
+                "growth_factor": growth_factor,
+                "backoff_factor": backoff_factor,
+                "growth_interval": growth_interval,
+                "hysteresis": hysteresis,
+                "min_scale": min_scale,
+                "on_min_scale": on_min_scale,
+            }
+            raise ValueError(
+                f"Invalid loss-scaler setting {', '.join(f'{n}={values[n]!r}' for n in bad)}: need initial_scale > 0,"
+                " growth_factor > 1, 0 < backoff_factor < 1, integer growth_interval >= 1 and hysteresis >= 1,"
+                " 0 < min_scale <= initial_scale, on_min_scale 'warn' or 'stop'."
+            )
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.min_scale, self.on_min_scale = float(min_scale), on_min_scale
+        self.scale = float(initial_scale)
+        self.clean_steps = 0
+        """Steps without overflow since the last growth or overflow."""
+        self.hysteresis_left = hysteresis
+        self.skipped_steps = 0
+        """Optimizer steps skipped because of an overflow, since the start of training (running count)."""
+
+    @torch.no_grad()
+    def unscale_(self, gradients: Iterable[Tensor], device: torch.device) -> bool:
+        """Divide ``gradients`` (this rank's, in place) by the scale; return whether any rank saw an inf/NaN.
+
+        Collective: every rank calls it once per optimizer step, with whatever gradients it holds (maybe none).
+        """
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        inv_scale = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in gradients:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        if dist.is_available() and dist.is_initialized():
+            # the whole world, not one group: a skipped step must be skipped by every TP, PP and DP rank
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return bool(found_inf.item() > 0)
+
+    def update(self, found_inf: bool) -> None:
+        """Advance the schedule after a step (``found_inf`` must be the world-wide flag, so all ranks agree)."""
+        if not found_inf:
+            self.clean_steps += 1
+            if self.clean_steps == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.clean_steps = 0
+                self.hysteresis_left = self.hysteresis
+            return
+        self.skipped_steps += 1
+        self.clean_steps = 0
+        self.hysteresis_left -= 1
+        if self.hysteresis_left > 0:
+            return
+        if self.scale <= self.min_scale:
+            message = (
+                f"Gradients overflow at the minimum loss scale ({self.min_scale}): the step is skipped"
+                f" ({self.skipped_steps} skipped so far). The loss or gradients are inf/NaN regardless of scaling;"
+                " lower the learning rate, check the data, or use bf16."
+            )
+            if self.on_min_scale == "stop":
+                raise LossScaleError(message + " (Set `on_min_scale='warn'` to keep training instead.)")
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "hysteresis_left": self.hysteresis_left,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.skipped_steps = int(state["skipped_steps"])

@@ -1,0 +1,280 @@
+"""Issue: precision. fp16 loss scaling agreed by every rank, fp32 master weights under '-true' precisions, mixed
+precision close to fp32, clipping, and the model-state report per precision.
+
+Every multi-process scenario runs in one launched group of 8 CPU processes (2x2x2 and other 8-rank layouts).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_hybrid import HybridPrecision
+from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.precision import DynamicLossScaler, LossScaleError
+from lightning_hybrid.sharding import expected_model_state_bytes
+from tests.conftest import launch
+from tests.harness import run_reference
+from tests.test_foundation import assert_parity
+
+BATCH = 4
+NANOGPT = {"bias": False}
+LAYOUT_3D = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+INJECT_STEP, INJECT_RANK = 2, 5
+MIXED_STEPS = 50
+
+
+def _scenario(name: str, strategy: dict[str, Any], dp: int, steps: int, **extra: Any) -> dict[str, Any]:
+    model_kwargs = {**NANOGPT, **extra.pop("model_kwargs", {})}
+    return {"name": name, "model": extra.pop("model", "nanogpt"), "model_kwargs": model_kwargs, "strategy": strategy,
+            "steps": steps, "batch_size": BATCH, "data_parallel_size": dp, **extra}  # fmt: skip
+
+
+OVERFLOW = [
+    _scenario(
+        f"overflow-{name}",
+        strategy,
+        dp,
+        5,
+        model="nanogpt_scheduled",
+        precision_plugin={"precision": precision, "hysteresis": 1, "initial_scale": 2.0**10},
+        inject_inf={"step": INJECT_STEP, "rank": INJECT_RANK},
+        probe=True,
+    )
+    for name, strategy, dp, precision in [
+        ("2x2x2-zero1-16mixed", {**LAYOUT_3D, "zero_stage": 1}, 2, "16-mixed"),
+        ("2x2x2-zero3-16mixed", {**LAYOUT_3D, "zero_stage": 3}, 2, "16-mixed"),
+        ("tp2-dp4-zero2-16true", {"tensor_parallel_size": 2, "zero_stage": 2}, 4, "16-true"),
+    ]
+]
+GROWTH = _scenario(
+    "growth-2x2x2-zero2",
+    {**LAYOUT_3D, "zero_stage": 2},
+    2,
+    6,
+    precision_plugin={"precision": "16-mixed", "initial_scale": 256.0, "growth_interval": 2},
+    probe=True,
+)
+TINY_LR = 1e-3  # below half of bf16's spacing at 1.0 (2**-9 ~ 1.95e-3): a bf16 parameter alone would never move
+TINY_STEPS = 10
+TINY = [
+    _scenario(
+        f"tiny-updates-{name}",
+        strategy,
+        dp,
+        TINY_STEPS,
+        model="nanogpt_tiny_updates",
+        model_kwargs={"learning_rate": TINY_LR},
+        trainer={"precision": "bf16-true"},
+        probe=True,
+    )
+    for name, strategy, dp in [
+        ("pp2-dp4-zero0", {"pipeline_parallel_size": 2, "zero_stage": 0}, 4),
+        ("dp8-zero2", {"zero_stage": 2}, 8),
+    ]
+]
+MIXED = [
+    _scenario(
+        f"mixed-{precision}-2x2x2",
+        {**LAYOUT_3D, "zero_stage": 1},
+        2,
+        MIXED_STEPS,
+        model_kwargs={"learning_rate": 1e-3},
+        # on CPU, Lightning turns Trainer(precision="16-mixed") into bf16-mixed: the plugin asks for fp16 explicitly
+        precision_plugin={"precision": precision},
+    )
+    for precision in ("16-mixed", "bf16-mixed")
+]
+STATE = [
+    _scenario(f"state-bf16-true-{name}", strategy, dp, 2, trainer={"precision": "bf16-true"})
+    for name, strategy, dp in [
+        ("2x2x2-zero1", {**LAYOUT_3D, "zero_stage": 1}, 2),
+        ("tp2-dp4-zero2", {"tensor_parallel_size": 2, "zero_stage": 2}, 4),
+        ("tp2-dp4-zero3", {"tensor_parallel_size": 2, "zero_stage": 3}, 4),
+    ]
+]
+CLIP_VALUE = _scenario(
+    "clip-value-2x2x2-zero1",
+    {**LAYOUT_3D, "zero_stage": 1},
+    2,
+    10,
+    trainer={"gradient_clip_val": 2e-3, "gradient_clip_algorithm": "value"},
+)
+WORLD8 = [*OVERFLOW, GROWTH, *TINY, *MIXED, *STATE, CLIP_VALUE]
+
+
+@pytest.fixture(scope="session")
+def precision_group(tmp_path_factory: pytest.TempPathFactory):
+    return launch(8, WORLD8, tmp_path_factory.mktemp("precision8"), timeout=900)
+
+
+@functools.cache
+def _reference(name: str) -> dict[str, Any]:
+    scenario = next(s for s in WORLD8 if s["name"] == name)
+    reference = {**scenario, "trainer": {k: v for k, v in scenario.get("trainer", {}).items() if k != "precision"}}
+    return run_reference(reference)
+
+
+# ---------------------------------------------------------------------------------------------- overflow agreement
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("scenario", OVERFLOW, ids=[s["name"] for s in OVERFLOW])
+def test_overflow_on_one_rank_skips_the_step_on_every_rank(precision_group, scenario: dict[str, Any]) -> None:
+    per_rank = precision_group.get(scenario["name"])["probe"]
+    assert len(per_rank) == 8
+    k = INJECT_STEP
+    for rank, steps in enumerate(per_rank):
+        before, skipped, after = steps[k - 1], steps[k], steps[k + 1]
+        # weights and optimizer state (incl. fp32 masters) bitwise unchanged across the skipped step, on every rank
+        assert skipped["params"] == before["params"], f"rank {rank}: parameters changed at the skipped step"
+        assert skipped["optimizer"] == before["optimizer"], f"rank {rank}: optimizer state changed at the skip"
+        # ... and training goes on afterwards
+        assert after["params"] != skipped["params"], f"rank {rank}: parameters did not move after the skip"
+        # hysteresis=1 is used up by one overflow: the scale halves, once
+        assert skipped["scale"] == before["scale"] * 0.5 and after["scale"] == skipped["scale"], rank
+        # the per-step LR scheduler holds still at the skipped step, then moves on
+        assert skipped["scheduler_steps"] == before["scheduler_steps"], f"rank {rank}: LR scheduler advanced"
+        assert skipped["lr"] == before["lr"] and after["lr"] < skipped["lr"], rank
+        assert after["scheduler_steps"] == before["scheduler_steps"] + 1, rank
+        assert [s["skipped"] for s in steps] == [0] * k + [1] * (len(steps) - k), f"rank {rank}: skipped count"
+        assert skipped["grad_norm"] is None and after["grad_norm"] is not None and math.isfinite(after["grad_norm"])
+    # every rank agrees on the scale at every step
+    for step in range(len(per_rank[0])):
+        assert len({steps[step]["scale"] for steps in per_rank}) == 1, f"ranks disagree on the scale at step {step}"
+
+
+@pytest.mark.timeout(1200)
+def test_loss_scale_grows_after_growth_interval_clean_steps_on_every_rank(precision_group) -> None:
+    per_rank = precision_group.get(GROWTH["name"])["probe"]
+    want = [256.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0]  # doubles after every 2nd clean step
+    for rank, steps in enumerate(per_rank):
+        assert [s["scale"] for s in steps] == want, f"rank {rank}"
+        assert all(s["skipped"] == 0 for s in steps)
+
+
+# ---------------------------------------------------------------------------------------------- fp32 master weights
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("scenario", TINY, ids=[s["name"] for s in TINY])
+def test_bf16_true_accumulates_updates_below_bf16_resolution(precision_group, scenario: dict[str, Any]) -> None:
+    # the claim being tested: in pure bf16 each update is rounded away
+    pure = torch.ones(4, dtype=torch.bfloat16)
+    for _ in range(TINY_STEPS):
+        pure -= TINY_LR
+    assert torch.equal(pure, torch.ones(4, dtype=torch.bfloat16))
+    result = precision_group.get(scenario["name"])
+    weight = result["params"]["model.ln_f.weight"]
+    assert weight.dtype == torch.bfloat16
+    # the fp32 master took every step: 1 - 10 x 1e-3 = 0.99, and the bf16 parameter is its rounding (0.98828125)
+    expected = torch.full(weight.shape, 1.0 - TINY_STEPS * TINY_LR).to(torch.bfloat16)
+    assert torch.equal(weight, expected), f"{weight} vs {expected}"
+    masters = [steps[-1]["ln_f_master"] for steps in result["probe"] if steps[-1]["ln_f_master"] is not None]
+    assert masters and all(abs(m - (1.0 - TINY_STEPS * TINY_LR)) < 1e-6 for m in masters), masters
+    assert not torch.equal(weight, torch.ones_like(weight))
+
+
+# ---------------------------------------------------------------------------------------------- mixed vs fp32
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("scenario", MIXED, ids=[s["name"] for s in MIXED])
+def test_mixed_precision_stays_within_two_percent_of_fp32(precision_group, scenario: dict[str, Any]) -> None:
+    losses = precision_group.get(scenario["name"])["losses"]
+    fp32 = _reference(scenario["name"])["losses"]
+    assert len(losses) == len(fp32) == MIXED_STEPS
+    assert fp32[-1] < 0.9 * fp32[0], "the fp32 run must actually learn for the comparison to mean something"
+    worst = max(abs(a - b) / b for a, b in zip(losses, fp32))
+    assert worst <= 0.02, f"{scenario['name']}: loss differs from fp32 by {worst:.2%} at worst"
+    assert abs(losses[-1] - fp32[-1]) / fp32[-1] <= 0.02
+
+
+# ---------------------------------------------------------------------------------------------- memory and clipping
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("scenario", [*STATE, *TINY], ids=[s["name"] for s in [*STATE, *TINY]])
+def test_model_state_report_reflects_the_precision(precision_group, scenario: dict[str, Any]) -> None:
+    result = precision_group.get(scenario["name"])
+    layout = result["layout"]
+    sgd = scenario["model"] == "nanogpt_tiny_updates"  # plain SGD keeps no state
+    for rank, record in enumerate(result["per_rank"]):
+        expected = expected_model_state_bytes(
+            record["local_numel"],
+            zero_stage=layout["zero_stage"],
+            data_parallel_size=layout["data_parallel_size"],
+            precision="bf16-true",
+            optimizer_states=0 if sgd else 2,
+        )
+        for key, want in expected.items():
+            got = record["model_state"][key]
+            assert abs(got - want) <= 0.05 * want, f"rank {rank} {key}: measured {got}, formula {want}"
+
+
+@pytest.mark.timeout(1200)
+def test_value_clipping_matches_single_process(precision_group) -> None:
+    assert_parity(precision_group.get(CLIP_VALUE["name"]), _reference(CLIP_VALUE["name"]))
+
+
+# ---------------------------------------------------------------------------------------------- single process
+def test_scaler_hysteresis_backoff_growth_and_floor() -> None:
+    s = DynamicLossScaler(initial_scale=8.0, hysteresis=2, growth_interval=3, min_scale=2.0)
+    s.update(found_inf=True)  # first overflow: hysteresis absorbs it
+    assert (s.scale, s.skipped_steps) == (8.0, 1)
+    s.update(found_inf=True)  # hysteresis used up: back off
+    assert s.scale == 4.0
+    s.update(found_inf=True)  # stays used up until the next growth
+    assert s.scale == 2.0
+    for _ in range(3):
+        s.update(found_inf=False)
+    assert (s.scale, s.hysteresis_left, s.skipped_steps) == (4.0, 2, 3)
+    s.update(found_inf=False)
+    s.update(found_inf=True)  # an overflow resets the count of clean steps
+    s.update(found_inf=False)
+    s.update(found_inf=False)
+    assert s.scale == 4.0
+    s.load_state_dict(DynamicLossScaler().state_dict())
+    assert (s.scale, s.skipped_steps) == (2.0**16, 0)
+
+
+def test_scaler_at_min_scale_warns_or_stops() -> None:
+    s = DynamicLossScaler(initial_scale=1.0, hysteresis=1)
+    with pytest.warns(RuntimeWarning, match="minimum loss scale"):
+        s.update(found_inf=True)
+    assert s.scale == 1.0 and s.skipped_steps == 1
+    stop = DynamicLossScaler(initial_scale=1.0, hysteresis=1, on_min_scale="stop")
+    with pytest.raises(LossScaleError, match="on_min_scale='warn'"):
+        stop.update(found_inf=True)
+
+
+def test_scaler_unscales_and_flags_non_finite_gradients() -> None:
+    s = DynamicLossScaler(initial_scale=4.0)
+    grads = [torch.full((3,), 8.0), torch.full((2,), 4.0, dtype=torch.bfloat16)]
+    assert s.unscale_(grads, torch.device("cpu")) is False
+    assert grads[0].tolist() == [2.0] * 3 and grads[1].tolist() == [1.0] * 2
+    assert s.unscale_([torch.tensor([1.0, float("nan")])], torch.device("cpu")) is True
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"precision": "64-true"}, "not supported"),
+        ({"precision": "16-mixed", "backoff_factor": 1.5}, "backoff_factor=1.5"),
+        ({"precision": "16-mixed", "growth_interval": 0}, "growth_interval=0"),
+        ({"precision": "16-mixed", "on_min_scale": "crash"}, "on_min_scale='crash'"),
+    ],
+)
+def test_bad_precision_arguments_name_the_parameter(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises((HybridConfigError, ValueError), match=match):
+        HybridPrecision(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"])
+def test_trainer_precision_maps_to_hybrid_precision(precision: str) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=precision, logger=False)
+    plugin = HybridPrecision.from_lightning(trainer.precision_plugin)
+    if precision == "16-mixed":  # Lightning's own fallback on CPU (with a warning); GPUs keep fp16
+        assert isinstance(plugin, HybridPrecision) and plugin.precision == "bf16-mixed"
+        plugin = HybridPrecision.from_lightning(MixedPrecision("16-mixed", "cuda", scaler=object()))
+    assert isinstance(plugin, HybridPrecision) and plugin.precision == precision
+    assert (plugin.loss_scale is not None) == precision.startswith("16")
+    assert (plugin.master_dtype is not None) == (precision in ("bf16-true", "16-true"))
