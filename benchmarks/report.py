@@ -1,0 +1,446 @@
+"""The "Side by side" section of docs/benchmarks.md and its pictures, from the records of :mod:`benchmarks.compare`.
+
+Example:
+    >>> _seconds(0.25)
+    '250 ms'
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+from benchmarks import theory
+
+SECTION_BEGIN = "<!-- side_by_side: begin (written by benchmarks/run_all.py) -->"
+SECTION_END = "<!-- side_by_side: end -->"
+COMMUNICATION_TARGET = 1.10
+MODEL_STATE_TARGET = 0.05
+BUBBLE_TARGET_PP = 10.0
+
+
+def _seconds(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1e3:.0f} ms" if x < 10 else f"{x:.1f} s"
+
+
+def _bytes(x: float) -> str:
+    for unit, size in (("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _mark(ok: Optional[bool]) -> str:
+    return "-" if ok is None else ("met" if ok else "**missed**")
+
+
+def _group_sizes(comparison: dict[str, Any]) -> dict[str, int]:
+    s = comparison["a"]["strategy"]
+    tp, pp = s.get("tensor_parallel_size", 1), s.get("pipeline_parallel_size", 1)
+    return {"tensor": tp, "pipeline": pp, "data": comparison["world"] // (tp * pp), "world": comparison["world"]}
+
+
+def communication_rows(comparison: dict[str, Any], record: dict[str, Any], model: dict[str, Any]) -> list[dict]:
+    """Per mesh dimension: counted wire bytes per rank (the largest over ranks) against the minimum for the layout."""
+    inputs = record.get("theory_inputs") or []
+    if not inputs or any(i.get("communication") is None for i in inputs):
+        return []
+    sizes = _group_sizes(comparison)
+    s = comparison["a"]["strategy"]
+    zero = s.get("zero_stage", 1)
+    per_replica = comparison["global_batch"] // sizes["data"]
+    activation = per_replica * model["block_size"] * model["n_embd"] * 4
+    rows = []
+    for dim in ("data", "tensor", "pipeline"):
+        if sizes[dim] <= 1:
+            continue
+        counted, minimum, detail = [], [], {}
+        for rank_inputs in inputs:
+            comm = rank_inputs["communication"]
+            counted.append(sum(theory.wire_bytes(op, b, sizes[dim]) for (d, op), (_, b, _) in comm.items() if d == dim))
+            for (d, op), (calls, b, _) in comm.items():
+                if d == dim:
+                    detail[op] = (max(detail.get(op, (0, 0))[0], calls), max(detail.get(op, (0, 0))[1], b))
+            stages, num_stages = rank_inputs["stages"], rank_inputs["num_stages"]
+            if dim == "data":
+                numel_bytes = 4 * rank_inputs["local_numel"]
+                minimum.append(theory.data_parallel_minimum(zero_stage=zero, gradient_bytes=numel_bytes,
+                                                            parameter_bytes=numel_bytes,
+                                                            data_parallel_size=sizes["data"]))  # fmt: skip
+            elif dim == "tensor":
+                blocks = model["n_layer"] // num_stages * len(stages)
+                minimum.append(theory.tensor_parallel_minimum(activation_bytes=activation, blocks=blocks,
+                                                              has_embedding=0 in stages,
+                                                              has_head=num_stages - 1 in stages,
+                                                              tensor_parallel_size=sizes["tensor"]))  # fmt: skip
+            else:
+                minimum.append(theory.pipeline_minimum(activation_bytes=activation, local_stages=stages,
+                                                       num_stages=num_stages))  # fmt: skip
+        ranks = [r for r in range(len(counted)) if minimum[r] > 0]
+        if not ranks:
+            continue
+        worst = max(ranks, key=lambda r: counted[r] / minimum[r])  # the rank furthest above its minimum
+        ratio = counted[worst] / minimum[worst]
+        rows.append({"dimension": dim, "counted": counted[worst], "minimum": minimum[worst], "ratio": ratio,
+                     "met": ratio <= COMMUNICATION_TARGET, "detail": detail, "rank": worst})  # fmt: skip
+    return rows
+
+
+def model_state_row(comparison: dict[str, Any], record: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Measured model-state bytes (``strategy.model_state_bytes``) against the ZeRO formula, worst rank."""
+    from lightning_hybrid.sharding.memory import expected_model_state_bytes
+
+    inputs = record.get("theory_inputs") or []
+    if not inputs:
+        return None
+    sizes = _group_sizes(comparison)
+    zero = comparison["a"]["strategy"].get("zero_stage", 1)
+    worst: Optional[dict[str, Any]] = None
+    for rank, rank_inputs in enumerate(inputs):
+        measured = rank_inputs.get("model_state_bytes") or {}
+        if not measured:
+            continue
+        expected = expected_model_state_bytes(rank_inputs["local_numel"], zero_stage=zero,
+                                              data_parallel_size=sizes["data"])  # fmt: skip
+        total = sum(expected.values())
+        deviation = measured["total"] / total - 1
+        if worst is None or abs(deviation) > abs(worst["deviation"]):
+            worst = {"rank": rank, "measured": measured, "expected": expected, "expected_total": total,
+                     "deviation": deviation}  # fmt: skip
+    if worst is not None:
+        worst["met"] = abs(worst["deviation"]) <= MODEL_STATE_TARGET
+    return worst
+
+
+def bubble_row(comparison: dict[str, Any], record: dict[str, Any]) -> Optional[dict[str, Any]]:
+    s = comparison["a"]["strategy"]
+    p = s.get("pipeline_parallel_size", 1)
+    inputs = record.get("theory_inputs") or []
+    bubbles = [i["bubble"] for i in inputs if i.get("bubble") is not None]
+    if p <= 1 or not bubbles:
+        return None
+    schedule = s.get("pipeline_schedule", "1f1b")
+    m, v = s.get("num_microbatches", p), s.get("virtual_pipeline_size", 1)
+    formula = theory.theoretical_bubble(schedule, p, m, v)
+    measured = statistics.median(bubbles)
+    return {"schedule": schedule, "p": p, "m": m, "v": v, "measured": measured, "min": min(bubbles),
+            "max": max(bubbles), "theory": formula,
+            "difference_pp": None if formula is None else (measured - formula) * 100}  # fmt: skip
+
+
+# Costs that profiling (cProfile on CPU time) found in a step of HybridStrategy and the Lightning loop around it,
+# with where they live and what would remove them. Keys: (file, function) as the profile names them.
+KNOWN_COSTS: dict[tuple[str, str], str] = {
+    ("lightning_hybrid/sharding/norm.py", "total"): "`HybridStrategy.optimizer_step` (`lightning_hybrid/strategy.py`,"
+    " `closure_then_reduce`) computes the global gradient norm on every step (`GradientNorm.total`: an fp64 pass over"
+    " every gradient and an all-reduce over all ranks) and checks for inf (`unscale_gradients_`) even in fp32 without"
+    " clipping; compute them only when clipping, fp16 or a logger asks",
+    ("lightning_hybrid/sharding/memory.py", "measure_model_state_bytes"): "`HybridStrategy.optimizer_step`"
+    " re-measures the model-state bytes after every step (walks every parameter, gradient and optimizer state);"
+    " measure when `model_state_bytes` is read",
+    ("torch/distributed/device_mesh.py", "__getitem__"): "`HybridStrategy._run_step` slices"
+    ' `self.device_mesh["data"]` on every step; in torch 2.13 each slice builds a new sub-mesh'
+    " (`_create_sub_mesh`, milliseconds of CPU); slice once in `setup_environment` and keep the sub-meshes",
+    ("lightning_hybrid/pipeline/runner.py", "_share_results"): "`PipelineRunner._share_results` pickles the step's"
+    " loss and logged values on the last stage, `broadcast_object_list`s them to every stage and replays `self.log`"
+    " (Lightning's `log` with `sync_dist`) on every rank; a fixed-size tensor broadcast of the loss and logged"
+    " scalars would avoid the pickling",
+    ("lightning_hybrid/pipeline/runner.py", "_capture"): "`PipelineRunner._capture` runs `training_step` once per"
+    " micro-batch up to the network call to learn its inputs, on every rank",
+    ("lightning_hybrid/pipeline/runner.py", "_take_gradients"): "`PipelineRunner._take_gradients` stashes and"
+    " restores every gradient around the schedule each step",
+    ("lightning_hybrid/sharding/zero.py", "reduce_gradients"): "the ZeRO reduction flattens and unflattens every"
+    " gradient (`_flat_grads`/`_unflatten_into`) each step, also where the data dimension has one rank",
+    ("lightning_hybrid/pipeline/stage.py", "active"): "`NetworkSplit.active` swaps the stubs and registers a forward"
+    " hook for every forward action",
+    ("lightning/pytorch/core/module.py", "log"): "Lightning's `self.log(..., sync_dist=True)` of the example's"
+    " `training_step` (the references without Lightning do not log)",
+}
+
+
+# Why counted communication exceeds the minimum, by (mesh dimension, ZeRO stage or None for any), read off the
+# collectives the meter saw (the table's last column) and the code that issues them.
+COMMUNICATION_CAUSES: dict[tuple[str, Optional[int]], str] = {
+    ("data", 1): "ZeRO-1 all-reduces the whole gradient and then keeps only its shard"
+    " (`ShardedOptimizer.reduce_gradients` in `lightning_hybrid/sharding/zero.py`, `_all_reduce_mean` for stage 1),"
+    " where a reduce-scatter (what stage 2 does) moves half the gradient bytes; with the parameter all-gather that"
+    " is 1.5x the minimum. The full reduced gradient is what `gathered_gradients` and the global norm read.",
+    ("data", 3): "FSDP2 gathers the parameters twice (forward, backward) and reduce-scatters the gradients; fused"
+    " q|k|v biases split by tensor parallel are left out of FSDP2 and all-reduced on their own, and the loss and"
+    " norm all-reduces add their few bytes.",
+    ("tensor", None): "Beyond Megatron's count: the vocabulary-parallel loss's reductions per token, the gradient"
+    " all-reduce of parameters replicated over the tensor dimension, and the global norm's all-reduce.",
+    ("pipeline", None): "Beyond the boundary activations: the step's loss and logged values broadcast from the last"
+    " stage (`PipelineRunner._share_results`), small.",
+}
+
+
+def profile_lines(record: dict[str, Any], profiled_steps: int, limit: int = 6) -> list[str]:
+    """Per rank (first and last): the known costs found in the profile with their CPU ms per step, then the costliest
+    lightning_hybrid functions (cumulative CPU per step, cProfile with ``time.process_time``)."""
+    per_rank = (record.get("profile") or {}).get("a") or []
+    if not per_rank:
+        return []
+    out = []
+    for rank in sorted({0, len(per_rank) - 1}):
+        rows = per_rank[rank]
+        known = []
+        for (path, function), why in KNOWN_COSTS.items():
+            cum = sum(r[2] for r in rows if r[0].startswith(path + ":") and r[0].endswith(f"({function})"))
+            if cum / profiled_steps >= 0.5e-3:
+                known.append((cum, f"{cum / profiled_steps * 1e3:.1f} ms: {why}"))
+        top = [r for r in rows if r[0].startswith("lightning_hybrid/")][:limit]
+        cells = ", ".join(f"`{name}` {cum / profiled_steps * 1e3:.1f} ms" for name, _, cum, _ in top)
+        out.append(f"rank {rank}, costliest lightning_hybrid functions (cumulative CPU per step): {cells}")
+        out += [f"rank {rank}: {text}" for _, text in sorted(known, reverse=True)]
+    return out
+
+
+def _figure_ratios(comparisons: list[dict[str, Any]], summaries: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [c for c in comparisons if "ratio" in summaries.get(c["name"], {})]
+    if not done:
+        return
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(done) + 1.5))
+    for i, c in enumerate(done):
+        s = summaries[c["name"]]
+        color = "#55A868" if s["met"] else "#C44E52"
+        ax.barh(i, s["ratio"], color=color)
+        ax.plot([s["ratio_min"], s["ratio_max"]], [i, i], color="black", linewidth=1)
+        ax.plot([c["target"]] * 2, [i - 0.4, i + 0.4], color="black", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(done)), [f"{c['name']} vs {c['b']['kind']}" for c in done], fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="grey", linewidth=0.5)
+    ax.set_xlabel("step time, HybridStrategy / reference (median of rounds, min-max; dashed: target)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _figure_communication(rows: list[tuple[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
+    for i, (_, row) in enumerate(rows):
+        ax.barh(i + 0.2, row["counted"] / 1e6, height=0.4, color="#4C72B0", label="counted" if i == 0 else None)
+        ax.barh(i - 0.2, row["minimum"] / 1e6, height=0.4, color="#BBBBBB", label="minimum" if i == 0 else None)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("MB on the wire per rank per step (ring algorithms; worst rank)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def section(results: dict[str, Any], figures_dir: Path, causes: dict[str, str]) -> str:
+    """The markdown section; writes ``bench_step_time.png`` and ``bench_communication.png`` into ``figures_dir``."""
+    comparisons, summaries, records = results["comparisons"], results["summaries"], results["records"]
+    models, m = results["models"], results["machine"]
+    settings = results["settings"]
+    lines = [
+        SECTION_BEGIN,
+        "## Side by side",
+        "",
+        "`HybridStrategy` against what a user would pick instead, on the same model, data, global batch and fp32"
+        " precision. Each comparison alternates fresh runs of the two (A B A B ...): a round trains"
+        f" {settings['warmup'] + settings['measured'] + 1} batches, the first {settings['warmup'] + 1} are warm-up,"
+        f" and the round's value is the median over the other {settings['measured']} of the slowest rank's time per"
+        " step (for the Lightning runs: the end of one batch to the end of the next, so data loading and hooks count;"
+        " for the references without Lightning: forward, backward and optimizer step). A cell is the median over"
+        f" {settings['rounds']} rounds with the min-max; the ratio is the median of the per-round ratios, so drift of"
+        " the machine between rounds cancels.",
+        f"Produced by `{results['command']}` in {results['wall_seconds'] / 60:.1f} min (this section; the pipeline"
+        " bubble section below comes from the same command); the raw numbers are in"
+        " `benchmarks/results/side_by_side.json`.",
+        "",
+        f"- **Machine**: {m['cores']}-core CPU ({m['cpu']}), {m['os']}; Python {m['python']}, torch {m['torch']},"
+        f" Lightning {m['lightning']}, DeepSpeed {m.get('deepspeed') or 'not installed'}, lightning-hybrid"
+        f" {m['lightning_hybrid']}; gloo, 1 thread per process, processes started with `torchrun`."
+        + (
+            f" The ranks ran at autogroup nice {m['worker_autogroup_nice']} (`--priority`)."
+            if m.get("worker_autogroup_nice") is not None
+            else ""
+        )
+        + " Other processes used "
+        + ", ".join(f"{v * 100:.0f}%" if v is not None else "-" for v in results["other_load"].values())
+        + " of the machine's CPU time during the groups ("
+        + ", ".join(results["other_load"])
+        + ").",
+        "- **Models** (`examples.nanogpt.NanoGPT`, fp32, AdamW lr 1e-3 as in its `configure_optimizers`): "
+        + "; ".join(
+            f"`{k}` {v['n_layer']} blocks of width {v['n_embd']}, {v['n_head']} heads, vocabulary {v['vocab_size']},"
+            f" sequence {v['block_size']}"
+            for k, v in models.items()
+        )
+        + ". Global batch 16 sequences (`tiny`: 8); the pipeline runs split it into 8 micro-batches (3D: 4).",
+        "- **Targets**: step time <= 1.00x the Lightning strategy (or DeepSpeed engine) doing the same job, <= 1.05x"
+        " the plain-torch loop of the same layout; communication <= 1.10x the minimum; model-state bytes within 5%"
+        " of the formula; 1F1B bubble within 10 points of theory, interleaved below 1F1B.",
+        "",
+        "### Step time",
+        "",
+        "| comparison | layout | reference | HybridStrategy | reference | ratio | target | | CPU ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in comparisons:
+        s = summaries.get(c["name"])
+        if s is None or "error" in s:
+            lines.append(f"| {c['name']} | {c['layout']} | {c['reference']} | failed | | | {c['target']:.2f} | |")
+            continue
+        lines.append(
+            f"| {c['name']} | {c['layout']} | {c['reference']} | {_seconds(s['a_median'])} ({_seconds(s['a_min'])}"
+            f"-{_seconds(s['a_max'])}) | {_seconds(s['b_median'])} ({_seconds(s['b_min'])}-{_seconds(s['b_max'])})"
+            f" | **{s['ratio']:.2f}x** ({s['ratio_min']:.2f}-{s['ratio_max']:.2f}) | <= {s['target']:.2f} |"
+            f" {_mark(s['met'])} | {s['cpu_ratio']:.2f}x ({s['cpu_ratio_min']:.2f}-{s['cpu_ratio_max']:.2f}) |"
+        )
+    lines += [
+        "",
+        "The ratio and the target are on wall time. *CPU ratio*: the same for the CPU time of the busiest rank per step"
+        " (`time.process_time`), which other jobs on a shared machine disturb far less: where the wall ratio and the"
+        " CPU ratio disagree, the machine's load moved the wall time.",
+        "",
+        "![HybridStrategy step time over the reference's](figures/bench_step_time.png)",
+        "",
+    ]
+    host = summaries.get("host_overhead")
+    host_c = next((c for c in comparisons if c["name"] == "host_overhead"), None)
+    if host and "ratio" in host and host_c:
+        mb = host_c["microbatches"]
+        lines += [
+            "### Host overhead per micro-batch",
+            "",
+            "The `tiny` model (4 blocks of width 16 on 1 sequence of 8 tokens per micro-batch) makes compute"
+            " negligible, so a step's time is the Python and communication latency of strategy and schedule. Per"
+            f" micro-batch (step time / {mb}, pipeline of 2, 1F1B), wall: HybridStrategy"
+            f" **{host['a_median'] / mb * 1e6:.0f} us**, plain torch pipelining {host['b_median'] / mb * 1e6:.0f} us,"
+            f" difference **{(host['a_median'] - host['b_median']) / mb * 1e6:.0f} us**; CPU of the busiest rank:"
+            f" {host['cpu_a_median'] / mb * 1e6:.0f} us against {host['cpu_b_median'] / mb * 1e6:.0f} us, difference"
+            f" **{(host['cpu_a_median'] - host['cpu_b_median']) / mb * 1e6:.0f} us**. The difference is Lightning's"
+            " loop and `self.log` plus HybridStrategy's own per-step and per-micro-batch work (the miss list below"
+            " names it). On a GPU whose forward+backward of a micro-batch takes less than that, it is idle GPU time.",
+            "",
+        ]
+    lines += [
+        "### Communication per rank per step against the minimum",
+        "",
+        "Counted from the real calls of one step (`lightning_hybrid.monitoring.comm.CommunicationMeter`: c10d,"
+        " DTensor's functional collectives, pipeline send/receive) and turned into bytes on the wire for ring"
+        " algorithms (`benchmarks/theory.py`), against the fewest bytes the layout needs: data: all-reduce of the"
+        " gradients (ZeRO 0), reduce-scatter + all-gather (ZeRO 1/2, the same volume), 1.5x that (ZeRO 3); tensor:"
+        " 4 all-reduces of the activations per block per step (forward and backward) + embedding + head; pipeline:"
+        " activations and their gradients across each stage boundary. Shown: the rank furthest above its minimum;"
+        " the last column is the largest over ranks.",
+        "",
+        "| comparison | dimension | counted | minimum | ratio | calls x largest buffer (per collective) | target |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    comm_figure: list[tuple[str, dict[str, Any]]] = []
+    for c in comparisons:
+        rec = records.get(c["name"], {})
+        rows = communication_rows(c, rec, models[c["model"]]) if "error" not in rec else []
+        for row in rows:
+            detail = ", ".join(f"{op} {calls}x{_bytes(b)}" for op, (calls, b) in sorted(row["detail"].items()))
+            ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+            lines.append(
+                f"| {c['name']} | {row['dimension']} | {_bytes(row['counted'])} | {_bytes(row['minimum'])} | {ratio}"
+                f" | {detail} | {_mark(row['met'])} |"
+            )
+            comm_figure.append((f"{c['name']} {row['dimension']}", row))
+        if not rows and "error" not in rec and rec.get("theory_inputs"):
+            lines.append(f"| {c['name']} | - | not counted (meter unavailable) | | | | |")
+    lines += ["", "![Counted communication against the minimum](figures/bench_communication.png)", ""]
+    lines += [
+        "### Model-state bytes against the ZeRO formula",
+        "",
+        "`strategy.model_state_bytes` (parameters, gradients, optimizer state this rank holds after a step) against"
+        " `lightning_hybrid.sharding.memory.expected_model_state_bytes` for the rank's parameters after tensor and"
+        " pipeline parallel. Worst rank shown.",
+        "",
+        "| comparison | ZeRO | measured (params / grads / optimizer) | formula | difference | target |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in comparisons:
+        rec = records.get(c["name"], {})
+        row = model_state_row(c, rec) if "error" not in rec else None
+        if row is None:
+            continue
+        ms, ex = row["measured"], row["expected"]
+        lines.append(
+            f"| {c['name']} | {c['a']['strategy'].get('zero_stage', 1)} | {_bytes(ms['total'])}"
+            f" ({_bytes(ms['parameters'])} / {_bytes(ms['gradients'])} / {_bytes(ms['optimizer_state'])}) |"
+            f" {_bytes(row['expected_total'])} ({_bytes(ex['parameters'])} / {_bytes(ex['gradients'])} /"
+            f" {_bytes(ex['optimizer_state'])}) | {row['deviation'] * 100:+.1f}% | {_mark(row['met'])} |"
+        )
+    lines += [
+        "",
+        "### Pipeline bubble of the compared runs",
+        "",
+        "`strategy.pipeline_timeline.bubble_fraction` of one step per rank (median, min-max over ranks) against"
+        " `(p-1)/(v*m+p-1)`. The dedicated measurement with more steps and its analysis is the next section.",
+        "",
+        "| comparison | measured | theory | difference |",
+        "| --- | --- | --- | --- |",
+    ]
+    bubbles = {}
+    for c in comparisons:
+        rec = records.get(c["name"], {})
+        row = bubble_row(c, rec) if "error" not in rec else None
+        if row is None:
+            continue
+        bubbles[c["name"]] = row
+        formula = "-" if row["theory"] is None else f"{row['theory'] * 100:.1f}%"
+        diff = "-" if row["difference_pp"] is None else f"{row['difference_pp']:+.1f} pp"
+        lines.append(
+            f"| {c['name']} | {row['measured'] * 100:.1f}% ({row['min'] * 100:.1f}%-{row['max'] * 100:.1f}%) |"
+            f" {formula} | {diff} |"
+        )
+    for p in (2, 4):
+        one, inter = bubbles.get(f"pp{p}_1f1b"), bubbles.get(f"pp{p}_interleaved_1f1b")
+        if one and inter:
+            lines.append("")
+            lines.append(
+                f"p={p}: interleaved 1F1B {inter['measured'] * 100:.1f}% vs 1F1B {one['measured'] * 100:.1f}%:"
+                f" {'below' if inter['measured'] < one['measured'] else '**not below**'} (target: below);"
+                f" 1F1B {one['difference_pp']:+.1f} points from theory"
+                f" ({'within' if abs(one['difference_pp']) <= BUBBLE_TARGET_PP else '**outside**'} 10)."
+            )
+    lines += ["", "### Misses and their causes", ""]
+    missed = [c for c in comparisons if summaries.get(c["name"], {}).get("met") is False]
+    errors = [c for c in comparisons if "error" in summaries.get(c["name"], {"error": 1})]
+    if not missed and not errors:
+        lines.append("Every step-time target is met in this run.")
+    for c in missed:
+        s = summaries[c["name"]]
+        lines.append(f"- **{c['name']}** ({s['ratio']:.2f}x, target {s['target']:.2f}x). {causes.get(c['name'], '')}")
+        for text in profile_lines(records.get(c["name"], {}), results["settings"]["profiled_steps"]):
+            lines.append(f"  - {text}")
+    for c in errors:
+        error = summaries.get(c["name"], {}).get("error", "not run")
+        last = [x for x in str(error).strip().splitlines() if x.strip()][-1:] or ["not run"]
+        lines.append(f"- **{c['name']}** failed: `{last[0][:300]}`")
+    comm_misses = [(label, row) for label, row in comm_figure if row["met"] is False]
+    if comm_misses:
+        lines += ["", "Communication above 1.10x the minimum:", ""]
+    for label, row in comm_misses:
+        name, dim = label.rsplit(" ", 1)
+        zero = next(c for c in comparisons if c["name"] == name)["a"]["strategy"].get("zero_stage", 1)
+        why = COMMUNICATION_CAUSES.get((dim, zero)) or COMMUNICATION_CAUSES.get((dim, None), "")
+        lines.append(f"- **{name}**, {dim}: {row['ratio']:.2f}x. {why}")
+    lines += ["", SECTION_END]
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    _figure_ratios(comparisons, summaries, figures_dir / "bench_step_time.png")
+    _figure_communication(comm_figure, figures_dir / "bench_communication.png")
+    return "\n".join(lines) + "\n"

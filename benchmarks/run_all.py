@@ -1,0 +1,198 @@
+"""Run every benchmark and rewrite docs/benchmarks.md and its pictures: the one command.
+
+    python -m benchmarks.run_all                  # everything, ~20-25 minutes on the 2-core CPU test machine
+    python -m benchmarks.run_all --priority -15   # Linux, as root, on a machine shared with other jobs
+    python -m benchmarks.run_all --smoke          # tiny models, one short round, into a temporary directory
+    python -m benchmarks.run_all --only dp2_zero0,tp2 --skip-bubble   # a subset
+
+Side by side (:mod:`benchmarks.compare`): three ``torchrun`` groups of 2, 4 and 8 CPU processes run the comparisons
+of HybridStrategy with Lightning's strategies, the DeepSpeed engine and plain-torch loops; then the pipeline bubble
+benchmark (``benchmarks/pipeline_bubble.py``) runs. Results go to ``benchmarks/results/side_by_side.json``; the
+"Side by side" section of ``docs/benchmarks.md`` and ``docs/figures/bench_*.png`` are rewritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import compare, report  # noqa: E402
+from benchmarks.pipeline_bubble import BENCHMARKS_HEADER, _machine, _OtherLoad  # noqa: E402
+from benchmarks.pipeline_bubble import SECTION_BEGIN as BUBBLE_BEGIN  # noqa: E402
+
+REAL = {"warmup": 1, "measured": 4, "rounds": 3}
+SMOKE = {"warmup": 0, "measured": 1, "rounds": 1}
+
+# What profiling found behind each miss (cause and where it lives), shown under "Misses and their causes" when the
+# comparison misses its target in the run; the profile lines under it come from the run itself.
+_PER_STEP = (
+    " The profile lines below (cProfile on CPU time, this run) give the per-step work HybridStrategy adds around"
+    " the same computation."
+)
+CAUSES: dict[str, str] = {
+    "dp2_zero0": "HybridStrategy reduces the gradients in one flat all-reduce after the backward pass (the ZeRO"
+    " reduction in `lightning_hybrid/sharding/zero.py`, called from `HybridStrategy.optimizer_step`), where DDP"
+    " all-reduces 25 MB buckets during the backward pass and so overlaps communication with the backward compute."
+    + _PER_STEP,
+    "dp2_zero1": "DeepSpeed's engine runs without Lightning's loop and logging, and HybridStrategy's ZeRO-1"
+    " all-reduces the whole gradient where a reduce-scatter would do (communication table)." + _PER_STEP,
+    "dp2_zero2": "DeepSpeed's engine runs without Lightning's loop and logging (the example's `training_step` logs"
+    " its loss with `sync_dist=True`, an all-reduce per step)." + _PER_STEP,
+    "dp2_zero3": "Both run FSDP2 with the same wrapping (each block, then the network), so the difference is the"
+    " work HybridStrategy does around it each step." + _PER_STEP,
+    "tp2": "Both use torch's DTensor styles on the same layers (HybridStrategy splits the fused q|k|v with"
+    " `_StridedShard`, the reference permutes the weight once: the same local matmuls)." + _PER_STEP,
+    "host_overhead": "With negligible compute the step is the Python of Lightning's loop and of the pipeline runner:"
+    " per micro-batch the runner captures the network inputs by running `training_step` up to the network call,"
+    " times each action, swaps stage stubs in and out, and per step shares results and stashes gradients." + _PER_STEP,
+    "3d_2x2x2": "The plain script has no Lightning loop, no `self.log` with `sync_dist` and none of the per-step"
+    " checks." + _PER_STEP,
+}
+for _name in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"):
+    for _p in (2, 4):
+        CAUSES[f"pp{_p}_{_name}"] = (
+            "The same schedule class runs the same stage computation; HybridStrategy adds Lightning's loop and"
+            " `self.log`, and its pipeline runner's work per micro-batch (capturing the network inputs by running"
+            " `training_step` up to the network call, timing each action, swapping stage stubs in and out) and per"
+            " step (sharing results from the last stage, stashing gradients): see the host-overhead row." + _PER_STEP
+        )
+
+
+def _deepspeed_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("deepspeed")
+    except Exception:
+        return None
+
+
+def write_section_between(path: Path, begin: str, end: str, text: str, *, before: Optional[str] = None) -> None:
+    """Replace the part of ``path`` between the markers ``begin`` and ``end`` by ``text`` (which carries the
+    markers); without them yet, insert ``text`` before the marker ``before`` or at the end."""
+    current = path.read_text() if path.exists() else BENCHMARKS_HEADER
+    if begin in current and end in current:
+        head, rest = current.split(begin, 1)
+        current = head + text.rstrip("\n") + rest.split(end, 1)[1]
+    elif before is not None and before in current:
+        head, rest = current.split(before, 1)
+        current = head + text + "\n" + before + rest
+    else:
+        current = current.rstrip("\n") + "\n\n" + text
+    path.write_text(current if current.endswith("\n") else current + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny models, one short round, results into --out-dir")
+    parser.add_argument("--out-dir", type=Path, default=None, help="results, figures and the page go here")
+    parser.add_argument("--only", default=None, help="comma-separated comparison names (default: all)")
+    parser.add_argument("--skip-bubble", action="store_true", help="do not run benchmarks/pipeline_bubble.py")
+    parser.add_argument("--skip-deepspeed", action="store_true", help="leave out the DeepSpeed comparisons")
+    parser.add_argument("--priority", type=int, default=None, help="autogroup nice of the ranks (Linux, root)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before a group is killed")
+    args = parser.parse_args(argv)
+    begin = time.perf_counter()
+    settings = dict(SMOKE if args.smoke else REAL)
+    settings["profiled_steps"] = settings["warmup"] + settings["measured"]
+    if args.out_dir is not None:
+        out_dir = args.out_dir
+    elif args.smoke:
+        out_dir = Path(tempfile.mkdtemp(prefix="bench_smoke_"))
+    else:
+        out_dir = None
+    results_dir = out_dir or ROOT / "benchmarks" / "results"
+    figures_dir = out_dir or ROOT / "docs" / "figures"
+    page = (out_dir / "benchmarks.md") if out_dir else ROOT / "docs" / "benchmarks.md"
+    results_dir.mkdir(parents=True, exist_ok=True)
+
+    selected = compare.comparisons()
+    if args.only:
+        names = set(args.only.split(","))
+        unknown = names - {c["name"] for c in selected}
+        if unknown:
+            parser.error(f"--only: unknown comparisons {sorted(unknown)}; known: {[c['name'] for c in selected]}")
+        selected = [c for c in selected if c["name"] in names]
+    if args.smoke:
+        # the smoke run checks the 3D code path with tp=2 x pp=2 x dp=1: 4 processes start much faster than 8
+        selected = [{**c, "world": 4, "layout": "tp=2 x pp=2 x dp=1 (smoke)"} if c["group"] == "3d" else c
+                    for c in selected]  # fmt: skip
+    deepspeed = _deepspeed_version()
+    if args.skip_deepspeed or deepspeed is None:
+        if deepspeed is None:
+            print("deepspeed is not installed (pip install -e '.[bench]'): its comparisons are left out", flush=True)
+        selected = [c for c in selected if c["b"]["kind"] != "deepspeed"]
+
+    machine = {**_machine(), "deepspeed": deepspeed, "worker_autogroup_nice": args.priority}
+    records: dict[str, dict[str, Any]] = {}
+    other_load: dict[str, Optional[float]] = {}
+    for group in compare.GROUPS:
+        chosen = [c for c in selected if c["group"] == group]
+        if not chosen:
+            continue
+        timeout = args.timeout or (300.0 if args.smoke else 1200.0)
+        with _OtherLoad() as load:
+            records.update(compare.launch_group(group, chosen, smoke=args.smoke, timeout=timeout,
+                                                priority=args.priority, **{k: settings[k] for k in REAL}))  # fmt: skip
+        other_load[f"{chosen[0]['world']} processes"] = load.share
+    summaries = {c["name"]: compare.summarise(c, records.get(c["name"], {"error": "not run"})) for c in selected}
+    command = (
+        "python -m benchmarks.run_all"
+        + (" --smoke" if args.smoke else "")
+        + (f" --priority {args.priority}" if args.priority is not None else "")
+    )
+    results = {
+        "benchmark": "side_by_side", "smoke": args.smoke, "command": command, "machine": machine,
+        "settings": settings, "other_load": other_load,
+        "models": compare.SMOKE_MODELS if args.smoke else compare.MODELS,
+        "comparisons": selected, "summaries": summaries, "records": records,
+        "wall_seconds": time.perf_counter() - begin,
+    }  # fmt: skip
+    text = report.section(results, figures_dir, CAUSES)
+    json_safe = {**results, "records": {k: _json_safe(v) for k, v in records.items()}}
+    (results_dir / "side_by_side.json").write_text(json.dumps(json_safe, indent=1, default=str) + "\n")
+    write_section_between(page, report.SECTION_BEGIN, report.SECTION_END, text, before=BUBBLE_BEGIN)
+    for c in selected:
+        s = summaries[c["name"]]
+        if "error" in s:
+            print(f"{c['name']:<28} FAILED")
+        else:
+            print(f"{c['name']:<28} {s['a_median'] * 1e3:8.1f} ms vs {s['b_median'] * 1e3:8.1f} ms  ratio"
+                  f" {s['ratio']:.2f} ({'met' if s['met'] else 'MISSED'} <= {s['target']:.2f})")  # fmt: skip
+    print(f"side by side: {results_dir / 'side_by_side.json'}, {page} ({results['wall_seconds']:.0f} s)", flush=True)
+
+    bubble_ok = True
+    if not args.skip_bubble:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "pipeline_bubble.py")]
+        if args.smoke:
+            cmd += ["--smoke", "--out-dir", str(out_dir)]
+        if args.priority is not None:
+            cmd += ["--priority", str(args.priority)]
+        bubble_ok = subprocess.run(cmd, cwd=ROOT).returncode == 0
+    failed = [c["name"] for c in selected if "error" in summaries[c["name"]]]
+    if failed:
+        print(f"failed comparisons: {failed}", file=sys.stderr)
+    print(f"all done in {time.perf_counter() - begin:.0f} s")
+    return 0 if bubble_ok and not failed else 1
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {(k if isinstance(k, str) else "|".join(map(str, k))): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+if __name__ == "__main__":
+    sys.exit(main())
