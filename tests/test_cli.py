@@ -97,6 +97,7 @@ def test_cpu_configs_train_a_few_steps_with_their_layout(tmp_path: Path) -> None
         assert config["trainer"]["accelerator"] == "cpu" and config["trainer"]["devices"] == devices
         root = tmp_path / name
         overrides = ["--trainer.max_steps=2", "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={root}",
+                     "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
                      "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
                      f"--trainer.logger.init_args.save_dir={root}"]  # fmt: skip
         proc = _cli("fit", "--config", f"cli_configs/{name}", *overrides, timeout=280)

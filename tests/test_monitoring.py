@@ -392,5 +392,38 @@ def test_health_checks_are_added_by_default_and_can_be_turned_off(group: dict[st
     assert all(r["health_callbacks"] == 1 for r in _result(group, "wandb"))
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# single process
+
+
+def test_rank_device_map_and_replica_mismatch_helpers() -> None:
+    from lightning_hybrid.monitoring.health import HealthCheckError, check_rank_device_map, find_replica_mismatches
+
+    check_rank_device_map([("a", "cpu"), ("a", "cpu")])  # CPU ranks share cores by design
+    check_rank_device_map([("a", "cuda:GPU-1"), ("b", "cuda:GPU-1")])  # same id on two hosts: two devices
+    with pytest.raises(HealthCheckError, match="Ranks 1 and 3 both use device cuda:GPU-7 on host a"):
+        check_rank_device_map([("a", "cuda:GPU-0"), ("a", "cuda:GPU-7"), ("a", "cuda:GPU-2"), ("a", "cuda:GPU-7")])
+    assert find_replica_mismatches(["w", "b"], torch.tensor([[5, 6], [5, 6], [5, 7]])) == ["b"]
+
+
+def test_bad_arguments_name_the_parameter(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from lightning_hybrid.monitoring import HealthChecks, HybridMonitor, use_offline_wandb_without_credentials
+
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        HybridMonitor(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="loss_spike_factor"):
+        HybridMonitor(loss_spike_factor=0.5)
+    with pytest.raises(ValueError, match="on_mismatch"):
+        HealthChecks(on_mismatch="ignore")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    assert use_offline_wandb_without_credentials([]) is False  # no WandbLogger among the loggers: nothing to do
+    assert use_offline_wandb_without_credentials() is True and os.environ["WANDB_MODE"] == "offline"
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "x")
+    assert use_offline_wandb_without_credentials() is False and os.environ["WANDB_MODE"] == "online"
+
+
 if __name__ == "__main__":
     _worker_main()
