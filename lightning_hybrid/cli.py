@@ -23,6 +23,11 @@ class HybridCLI(LightningCLI):
 
 def main(args: Optional[list[str]] = None) -> Any:
     """Entry point of ``lightning-hybrid`` and ``python -m lightning_hybrid``."""
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["consolidate"]:  # `lightning-hybrid consolidate CKPT OUT`: no Trainer, no processes
+        from lightning_hybrid.checkpoint.consolidate import main as consolidate_main
+
+        return consolidate_main(argv[1:])
     # class paths in configs (e.g. examples.nanogpt.NanoGPT) resolve from the working directory, as with `python -m`
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

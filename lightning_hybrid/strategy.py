@@ -719,11 +719,16 @@ class HybridStrategy(ParallelStrategy):
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
         import lightning
 
+        from lightning_hybrid.checkpoint import HUGGING_FACE_KEY, hugging_face_info
+
         path = Path(self.broadcast(str(filepath)))
         model_state = checkpoint.pop("state_dict")
         optimizer_states = checkpoint.pop("optimizer_states", [])
         checkpoint[LAYOUT_KEY] = self.layout.as_dict()
         checkpoint[VERSIONS_KEY] = {"torch": torch.__version__, "lightning": lightning.__version__}
+        hugging_face = hugging_face_info(self.lightning_module)  # lets `consolidate` write a from_pretrained folder
+        if hugging_face is not None:
+            checkpoint[HUGGING_FACE_KEY] = hugging_face
         self._checkpoint_writer.save(
             path, model_state, optimizer_states, checkpoint, is_rank_zero=self.is_global_zero, barrier=self.barrier
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.conftest import launch, relative_error
 from tests.harness import run_reference
@@ -88,6 +89,12 @@ def _dp2(name: str, **extra: Any) -> dict[str, Any]:
             "steps": SMALL_STEPS, "data_parallel_size": 2, **extra}  # fmt: skip
 
 
+# a Hugging Face Llama under tensor parallel, saved at its last step, for the export test
+LLAMA = {"name": "llama-tp2", "model": "llama", "model_kwargs": {}, "strategy": {"tensor_parallel_size": 2},
+         "steps": 2, "batch_size": 4, "data_parallel_size": 1,
+         "callbacks": [{"kind": "ModelCheckpoint", "every_n_train_steps": 2, "save_top_k": -1}]}  # fmt: skip
+
+
 def _saver(directory: Path) -> dict[str, Any]:
     # top-1 (the older one is removed at each save) plus last.ckpt, every 2 steps
     return {"kind": "ModelCheckpoint", "dirpath": str(directory), "every_n_train_steps": 2, "save_top_k": 1,
@@ -135,11 +142,12 @@ def safety(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         _dp2("resume-last", resume_from="last", callbacks=[_saver(directory)]),
         _dp2("async-resume", strategy={"zero_stage": 1, "async_checkpoint": True}, resume_after=3),
+        LLAMA,
     ]
     group = launch(2, scenarios, root / "group2", timeout=400)
     reference = run_reference({"model": "nanogpt", "model_kwargs": SMALL, "data_parallel_size": 2, "batch_size": 16,
                                "steps": SMALL_STEPS})  # fmt: skip
-    return {"killed": killed, "after_kill": after_kill, "group": group, "reference": reference}
+    return {"killed": killed, "after_kill": after_kill, "group": group, "reference": reference, "root": root}
 
 
 def _assert_continues_reference(result: dict[str, Any], reference: dict[str, Any], start: int) -> None:
@@ -186,3 +194,49 @@ def test_async_save_resumes_exactly(safety: dict[str, Any]) -> None:
     """Saved in the background at step 3 (the end of the first fit waits for it), resumed in a new Trainer: the
     worker records both fits' losses, steps 1-6, which equal an uninterrupted single-process run's."""
     _assert_continues_reference(safety["group"].get("async-resume"), safety["reference"], start=0)
+
+
+# ---------------------------------------------------------------- consolidation and Hugging Face export
+@pytest.mark.timeout(900)
+def test_consolidated_weights_equal_the_gathered_parameters(
+    reshard_groups: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The (tp=2, pp=2, dp=2) checkpoint at step 6, consolidated without any process group, is exactly the
+    parameters gathered from the ranks after step 6, and loads strictly into the single-device module."""
+    from safetensors.torch import load_file
+
+    from lightning_hybrid.checkpoint import consolidate
+    from tests.harness import build_module
+
+    group = reshard_groups["source"]
+    checkpoint = next(group.out_dir.glob(f"reshard-source/*step={STEPS}.ckpt"))
+    out = consolidate(checkpoint, tmp_path_factory.mktemp("consolidated"))
+    weights = load_file(out / "model.safetensors")
+    gathered = group.get("reshard-source")["params"]
+    assert gathered.keys() <= weights.keys()
+    for name, want in gathered.items():
+        assert torch.equal(weights[name], want), f"{name} differs from the gathered parameter"
+    module = build_module("nanogpt", **MODEL)
+    module.load_state_dict(weights, strict=True)
+
+
+@pytest.mark.timeout(900)
+def test_hugging_face_export_loads_with_from_pretrained(safety: dict[str, Any]) -> None:
+    """``lightning-hybrid consolidate`` on a tensor-parallel Llama checkpoint writes a folder that ``from_pretrained``
+    loads; its logits equal the single-device module's with the gathered parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_hybrid.cli import main
+    from tests.harness import build_module, make_dataset
+
+    group = safety["group"]
+    checkpoint = next(group.out_dir.glob("llama-tp2/*step=2.ckpt"))
+    out = safety["root"] / "llama-export"
+    main(["consolidate", str(checkpoint), str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    module = build_module("llama").eval()
+    module.load_state_dict(group.get("llama-tp2")["params"], strict=True)
+    inputs = torch.stack([make_dataset()[i][0] for i in range(4)])
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=inputs).logits, module(inputs))

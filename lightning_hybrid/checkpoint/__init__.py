@@ -6,9 +6,10 @@ layout it was saved with. Every tensor is keyed by its parameter's name and laid
 optimizer state included, so DCP loads a checkpoint into any tensor/pipeline/data layout and ZeRO stage.
 
 Modules: :mod:`.tensors` (how tensors meet DCP), :mod:`.optimizer` (the layout-free optimizer state), :mod:`.io`
-(atomic and asynchronous saves, checked loads).
+(atomic and asynchronous saves, checked loads), :mod:`.consolidate` (full weights as safetensors, Hugging Face export).
 """
 
+from lightning_hybrid.checkpoint.consolidate import HUGGING_FACE_KEY, consolidate, hugging_face_info
 from lightning_hybrid.checkpoint.io import (
     LAYOUT_KEY,
     META_FILENAME,
@@ -22,12 +23,15 @@ from lightning_hybrid.checkpoint.optimizer import optimizer_state
 from lightning_hybrid.checkpoint.tensors import dcp_ready
 
 __all__ = [
+    "HUGGING_FACE_KEY",
     "LAYOUT_KEY",
     "META_FILENAME",
     "VERSIONS_KEY",
     "CheckpointError",
     "ShardedCheckpointWriter",
+    "consolidate",
     "dcp_ready",
+    "hugging_face_info",
     "load_sharded",
     "optimizer_state",
     "read_meta",

@@ -28,8 +28,9 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.optim import Optimizer
 
+from lightning_hybrid.checkpoint.consolidate import HUGGING_FACE_KEY, natural_shape_entries
 from lightning_hybrid.checkpoint.optimizer import HYPERPARAMETERS_KEY, optimizer_load_targets
-from lightning_hybrid.checkpoint.tensors import plan_load
+from lightning_hybrid.checkpoint.tensors import dcp_ready, plan_load
 
 if TYPE_CHECKING:
     from lightning_hybrid.sharding import ShardedOptimizer
@@ -150,8 +151,7 @@ class ShardedCheckpointWriter:
             torch.save(meta, staging / META_FILENAME)
         barrier()
         flat = flatten_state(model_state, optimizer_states)
-        from lightning_hybrid.checkpoint.tensors import dcp_ready
-
+        flat.update(natural_shape_entries(flat))
         flat = dcp_ready(flat)
         writer = _Writer(str(staging))
         if not self.asynchronous:
@@ -319,4 +319,5 @@ def load_sharded(
     plan.finish()
     for finish, saved in zip(finishers, hyperparameters):
         finish(plan.request, saved)
-    return {k: v for k, v in meta.items() if k not in (LAYOUT_KEY, VERSIONS_KEY, OPTIMIZER_HYPERPARAMETERS_KEY)}
+    hybrid_keys = (LAYOUT_KEY, VERSIONS_KEY, OPTIMIZER_HYPERPARAMETERS_KEY, HUGGING_FACE_KEY)
+    return {k: v for k, v in meta.items() if k not in hybrid_keys}

@@ -63,6 +63,11 @@ def _unstrided(t: DTensor) -> DTensor:
     return DTensor.from_local(view, t.device_mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape))
 
 
+def is_fused(t: Any) -> bool:
+    """Whether ``t`` is a fused projection's DTensor, which DCP sees through a ``[k, rows/k, ...]`` view."""
+    return isinstance(t, DTensor) and _fused_index(t) is not None
+
+
 def dcp_ready(tree: Any) -> Any:
     """``tree`` with every strided (fused-projection) DTensor replaced by its DCP-friendly view; the views share
     storage with the originals, so a DCP load into the result fills the originals in place.
