@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torchmetrics.text import Perplexity
 
 
 class HFLlama(L.LightningModule):
@@ -46,6 +47,9 @@ class HFLlama(L.LightningModule):
         )
         self.model = LlamaForCausalLM(config)
         self.example_input_array = torch.zeros(2, 64, dtype=torch.long)  # model summary, pipeline profiling
+        # torchmetrics as on one device: HybridStrategy reduces its state over data-parallel replicas only and hands it
+        # plain (gathered) logits under tensor parallel
+        self.val_perplexity = Perplexity()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits
@@ -61,7 +65,11 @@ class HFLlama(L.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_perplexity", self.val_perplexity(logits, y), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate, weight_decay=0.1)

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics.text import Perplexity
 
 
 @dataclass
@@ -124,6 +125,9 @@ class NanoGPT(L.LightningModule):
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, tie_weights))
         self.example_input_array = torch.zeros(2, block_size, dtype=torch.long)  # model summary, pipeline profiling
+        # torchmetrics as on one device: HybridStrategy reduces its state over data-parallel replicas only and hands it
+        # plain (gathered) logits under tensor parallel
+        self.val_perplexity = Perplexity()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -139,7 +143,11 @@ class NanoGPT(L.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_perplexity", self.val_perplexity(logits, y), sync_dist=True)
 
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, _ = batch

@@ -75,6 +75,25 @@ def _scenario_comm(out: Path) -> dict[str, Any]:
     return result
 
 
+VAL_SAMPLES, VAL_BATCH = 32, 4
+
+
+def _scenario_example_metric(out: Path) -> dict[str, Any]:
+    """The nanoGPT example validates with torchmetrics' Perplexity under tp=2 x dp=2 (vocabulary-parallel logits)."""
+    import lightning as L
+
+    from lightning_hybrid import HybridStrategy
+    from tests.harness import build_module, make_dataset, trainer_kwargs
+
+    module = build_module("nanogpt")
+    subset = torch.utils.data.Subset(make_dataset(), range(VAL_SAMPLES))
+    loader = torch.utils.data.DataLoader(subset, batch_size=VAL_BATCH)
+    kwargs = {**trainer_kwargs(1), "limit_val_batches": None}
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=HybridStrategy(tensor_parallel_size=2), **kwargs)
+    trainer.validate(module, dataloaders=loader, verbose=False)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
 def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
     import lightning as L
     import torch.distributed as dist
@@ -193,6 +212,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "metrics": {"strategy": {"tensor_parallel_size": 2}, "module": "tracked", "metrics": True, "monitor": True},
     "perturb": {"strategy": {"tensor_parallel_size": 2, "zero_stage": 0}, "health": "perturb"},
     "device_map": {"strategy": {"tensor_parallel_size": 2}, "health": "bad_device_map", "trainer": {"max_steps": 1}},
+    "example_metric": {},
 }
 
 
@@ -205,7 +225,12 @@ def _worker_main() -> None:
     for name in spec:
         try:
             options = SCENARIOS[name]
-            result = _scenario_comm(out) if name == "comm" else _scenario_trainer(out, name, **options)
+            if name == "comm":
+                result = _scenario_comm(out)
+            elif name == "example_metric":
+                result = _scenario_example_metric(out)
+            else:
+                result = _scenario_trainer(out, name, **options)
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, result)
             if dist.get_rank() == 0:
@@ -364,6 +389,24 @@ def test_torchmetrics_sync_over_data_parallel_only_matches_single_process(group:
         for key, value in expected.items():
             assert r["metrics"][key] == pytest.approx(value, rel=1e-5), (key, r["metrics"][key], value)
     assert results[0]["last_metrics"]["comm/share_tensor"] > 0  # tensor parallel collectives were measured
+
+
+def test_example_perplexity_under_tensor_and_data_parallel_matches_single_process(group: dict[str, Any]) -> None:
+    import lightning as L
+
+    from tests.harness import build_module, make_dataset, trainer_kwargs
+
+    # the same batches in the same order: step s averages replica 0's and replica 1's s-th batch (Lightning's
+    # unshuffled DistributedSampler gives replica r the samples r, r + 2, ...), and the epoch averages the steps
+    per_replica = [list(range(VAL_SAMPLES))[r::2] for r in range(2)]
+    batches = [per_replica[r][i : i + VAL_BATCH] for i in range(0, VAL_SAMPLES // 2, VAL_BATCH) for r in range(2)]
+    subset = torch.utils.data.Subset(make_dataset(), range(VAL_SAMPLES))
+    module = build_module("nanogpt")
+    trainer = L.Trainer(accelerator="cpu", devices=1, **{**trainer_kwargs(1), "limit_val_batches": None})
+    trainer.validate(module, dataloaders=torch.utils.data.DataLoader(subset, batch_sampler=batches), verbose=False)
+    for r in _result(group, "example_metric"):
+        for key in ("val_perplexity", "val_loss"):
+            assert r[key] == pytest.approx(float(trainer.callback_metrics[key]), rel=1e-5), (key, r)
 
 
 def test_nan_loss_raises_the_alert(group: dict[str, Any]) -> None:
