@@ -66,6 +66,14 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridStrategy"]
 
+# the precision plugin's context for each step (autocast / default dtype), as Lightning's own strategies use them
+_STEP_CONTEXTS = {
+    "training_step": "train_step_context",
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}
+
 
 class HybridStrategy(ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
@@ -540,7 +548,7 @@ class HybridStrategy(ParallelStrategy):
 
     def _run_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None
-        context = getattr(self.precision_plugin, f"{name.split('_')[0].replace('training', 'train')}_step_context")
+        context = getattr(self.precision_plugin, _STEP_CONTEXTS[name])
         with context(), self._loss_context():
             with _plain_logging(self.lightning_module, self.device_mesh["data"]):
                 if self._pipeline is not None:
