@@ -39,7 +39,12 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
         from examples.hf_llama import HFLlama
 
         return HFLlama(**{**MODEL_DEFAULTS["llama"], **kwargs})
-    raise ValueError(model)
+    from tests.precision_probe import build_precision_module
+
+    module = build_precision_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
+    if module is None:
+        raise ValueError(model)
+    return module
 
 
 def _user_tensor_parallel_nanogpt(**kwargs: Any) -> L.LightningModule:

@@ -18,7 +18,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_hybrid import HybridStrategy  # noqa: E402
+from lightning_hybrid import HybridPrecision, HybridStrategy  # noqa: E402
 from tests.harness import Recorder, build_module, full_parameters, make_dataset, trainer_kwargs  # noqa: E402
 
 
@@ -35,7 +35,10 @@ def run(scenario: dict, out_dir: Path) -> None:
         from lightning.pytorch.loggers import CSVLogger
 
         kwargs["logger"] = CSVLogger(save_dir=str(out_dir / scenario["name"]), name="logs")
+    if scenario.get("precision_plugin"):
+        kwargs["plugins"] = [HybridPrecision(**scenario["precision_plugin"])]
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[recorder], **kwargs)
+    probe = _precision_probes(trainer, scenario)
     # the recorder averages losses over the data dimension, which exists once the strategy has set up the mesh
     recorder.data_group = None
 
@@ -77,6 +80,8 @@ def run(scenario: dict, out_dir: Path) -> None:
         path = next(directory.glob(f"*step={resume_after}*.ckpt"))
         module = build_module(scenario["model"], **{**scenario.get("model_kwargs", {}), "learning_rate": 0.5})
         strategy = HybridStrategy(**scenario["strategy"])
+        if scenario.get("precision_plugin"):  # a fresh plugin: its loss scale must come from the checkpoint
+            kwargs["plugins"] = [HybridPrecision(**scenario["precision_plugin"])]
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy=strategy, callbacks=[_Bind(), recorder], **kwargs
         )
@@ -131,6 +136,10 @@ def run(scenario: dict, out_dir: Path) -> None:
         },
     )
     result["per_rank"] = gathered
+    if probe is not None:
+        records: list = [None] * world
+        dist.all_gather_object(records, probe.records)
+        result["probe"] = records
     if dist.get_rank() == 0:
         torch.save(result, out_dir / f"{scenario['name']}.pt")
 
@@ -170,6 +179,19 @@ class _CollectiveCounter(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for name, original in self.originals.items():
             setattr(dist, name, original)
+
+
+def _precision_probes(trainer: L.Trainer, scenario: dict):
+    """Scenario keys "inject_inf": {"step", "rank"} and "probe": true (tests/precision_probe.py)."""
+    from tests.precision_probe import InjectInf, StepProbe
+
+    if scenario.get("inject_inf"):
+        trainer.callbacks.append(InjectInf(**scenario["inject_inf"]))
+    if not scenario.get("probe"):
+        return None
+    probe = StepProbe()
+    trainer.callbacks.append(probe)
+    return probe
 
 
 def _logged_columns(directory: Path) -> list[str]:
