@@ -35,10 +35,7 @@ SMOKE = {"warmup": 0, "measured": 1, "rounds": 1}
 
 # What profiling found behind each miss (cause and where it lives), shown under "Misses and their causes" when the
 # comparison misses its target in the run; the profile lines under it come from the run itself.
-_PER_STEP = (
-    " The profile lines below (cProfile on CPU time, this run) give the per-step work HybridStrategy adds around"
-    " the same computation."
-)
+_PER_STEP = " Profiled per-step costs:"
 CAUSES: dict[str, str] = {
     "dp2_zero0": "HybridStrategy reduces the gradients in one flat all-reduce after the backward pass (the ZeRO"
     " reduction in `lightning_hybrid/sharding/zero.py`, called from `HybridStrategy.optimizer_step`), where DDP"
@@ -101,7 +98,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--skip-deepspeed", action="store_true", help="leave out the DeepSpeed comparisons")
     parser.add_argument("--priority", type=int, default=None, help="autogroup nice of the ranks (Linux, root)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before a group is killed")
+    parser.add_argument(
+        "--render-only",
+        type=Path,
+        default=None,
+        help="rewrite the page and figures from a saved side_by_side.json, running nothing",
+    )
     args = parser.parse_args(argv)
+    if args.render_only is not None:
+        results = json.loads(args.render_only.read_text())
+        results["records"] = {name: _tuple_keys(r) for name, r in results["records"].items()}
+        page = (args.out_dir / "benchmarks.md") if args.out_dir else ROOT / "docs" / "benchmarks.md"
+        text = report.section(results, args.out_dir or ROOT / "docs" / "figures", CAUSES)
+        write_section_between(page, report.SECTION_BEGIN, report.SECTION_END, text, before=BUBBLE_BEGIN)
+        print(f"rewrote {page} from {args.render_only}")
+        return 0
     begin = time.perf_counter()
     settings = dict(SMOKE if args.smoke else REAL)
     settings["profiled_steps"] = settings["warmup"] + settings["measured"]
@@ -184,6 +195,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"failed comparisons: {failed}", file=sys.stderr)
     print(f"all done in {time.perf_counter() - begin:.0f} s")
     return 0 if bubble_ok and not failed else 1
+
+
+def _tuple_keys(record: dict[str, Any]) -> dict[str, Any]:
+    """Undo :func:`_json_safe` for the meter's ``(dimension, collective)`` keys."""
+    inputs = []
+    for rank_inputs in record.get("theory_inputs") or []:
+        comm = rank_inputs.get("communication")
+        if comm is not None:
+            rank_inputs = {**rank_inputs, "communication": {tuple(k.split("|")): v for k, v in comm.items()}}
+        inputs.append(rank_inputs)
+    return {**record, "theory_inputs": inputs} if "theory_inputs" in record else record
 
 
 def _json_safe(obj: Any) -> Any:

@@ -72,9 +72,10 @@ def test_side_by_side_smoke(tmp_path: Path) -> None:
         assert summary["a_median"] > 0 and summary["b_median"] > 0 and summary["ratio"] > 0, name
 
     from benchmarks import report
+    from benchmarks.run_all import _tuple_keys
 
     by_name = {c["name"]: c for c in results["comparisons"]}
-    records = {n: {**r, "theory_inputs": [_keys(i) for i in r["theory_inputs"]]} for n, r in results["records"].items()}
+    records = {name: _tuple_keys(record) for name, record in results["records"].items()}
     # ZeRO-0 all-reduces exactly the gradients once per step (+ a few bytes of logged loss): the count meets the
     # formula, so a meter or formula that drifts fails here
     data = report.communication_rows(by_name["dp2_zero0"], records["dp2_zero0"], results["models"]["dense"])
@@ -94,11 +95,3 @@ def test_side_by_side_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "bench_step_time.png").stat().st_size > 0
     assert (tmp_path / "bench_communication.png").stat().st_size > 0
     assert str(tmp_path) in proc.stdout  # nothing went into the repository
-
-
-def _keys(rank_inputs: dict) -> dict:
-    """The JSON file stores (dimension, collective) keys as "dimension|collective": back to tuples."""
-    comm = rank_inputs.get("communication")
-    if comm is not None:
-        rank_inputs = {**rank_inputs, "communication": {tuple(k.split("|")): v for k, v in comm.items()}}
-    return rank_inputs
