@@ -40,6 +40,8 @@ from lightning_hybrid.checkpoint import LAYOUT_KEY, VERSIONS_KEY, ShardedCheckpo
 from lightning_hybrid.checkpoint import optimizer_state as checkpoint_optimizer_state
 from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pipeline, check_sizes
 from lightning_hybrid.data import SkipOnResume
+from lightning_hybrid.monitoring.health import add_monitoring_defaults
+from lightning_hybrid.monitoring.metrics import sync_metrics_over
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network, to_plain
 from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.pipeline.stage import InputStub
@@ -106,6 +108,10 @@ class HybridStrategy(ParallelStrategy):
             copies this rank's shards to CPU memory and training goes on while they are written; the next save and
             the end of training wait for it. The checkpoint appears under its name only once complete, as with
             synchronous saves.
+        health_checks: add :class:`~lightning_hybrid.monitoring.HealthChecks` to the Trainer's callbacks (rank-to-device
+            map, layout/version agreement and clock skew at start-up; data-parallel replica checksums every 1000
+            steps). ``False`` turns them off; a ``HealthChecks(...)`` instance chooses the checks. Not added twice if
+            the callbacks already hold one.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -135,6 +141,7 @@ class HybridStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         async_checkpoint: bool = False,
+        health_checks: Union[bool, Any] = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -183,6 +190,7 @@ class HybridStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
+        self._health_checks = health_checks
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional[DeviceMesh] = None
         self._structure: Optional[ModelStructure] = None
@@ -283,6 +291,7 @@ class HybridStrategy(ParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
         table = format_rank_table(self._layout, gather_rank_devices(self.root_device))
         rank_zero_info(table)
+        add_monitoring_defaults(self.lightning_module.trainer, self._health_checks)
 
     # ------------------------------------------------------------------ model set-up
     @override
@@ -298,6 +307,7 @@ class HybridStrategy(ParallelStrategy):
         if self._parallelized is not module:
             self._parallelize(module)
             self._parallelized = module
+            sync_metrics_over(module, self.device_mesh["data"].get_group())  # torchmetrics: reduce over replicas only
         # Lightning's model summary runs example_input_array through the model on rank 0 alone: a split model's
         # forward is a collective (TP/ZeRO-3) or needs other stages, so it would hang or fail. Hidden until teardown.
         self._example_input_array, module.example_input_array = module.example_input_array, None
