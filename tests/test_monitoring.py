@@ -359,6 +359,8 @@ def test_offline_wandb_run_holds_every_metric_once_per_logging_step_and_the_layo
     assert layout["world_size"] == 4 and layout["global_batch_size"] == 8 and layout["precision"] == "32-true"
     assert layout["versions"]["torch"] == torch.__version__
     assert layout["num_microbatches"] == 2 and layout["pipeline_schedule"] == "1f1b"
+    # with a WandbLogger, alerts go to wandb.alert (into the run): one per logging step whose share was above 30%
+    assert run["alerts"] == ["Communication share" for row in rows if row["comm/share"] > 0.30]
     # the loss logged is the data-parallel mean that every rank computed alike
     assert {r["last_metrics"]["train/loss"] for r in results} == {rows[-1]["train/loss"]}
 
@@ -431,8 +433,22 @@ def test_two_ranks_on_one_device_is_an_error_naming_them(group: dict[str, Any]) 
 
 
 def test_health_checks_are_added_by_default_and_can_be_turned_off(group: dict[str, Any]) -> None:
+    from types import SimpleNamespace
+
+    from lightning_hybrid.monitoring import HealthChecks
+    from lightning_hybrid.monitoring.health import add_monitoring_defaults
+
     # the wandb scenario passed no HealthChecks: the strategy added one
     assert all(r["health_callbacks"] == 1 for r in _result(group, "wandb"))
+    # what HybridStrategy(health_checks=...) does with each value
+    off = SimpleNamespace(loggers=[], callbacks=[])
+    add_monitoring_defaults(off, False)
+    assert off.callbacks == []
+    mine = HealthChecks(replica_check_every_n_steps=5)
+    chosen = SimpleNamespace(loggers=[], callbacks=[])
+    add_monitoring_defaults(chosen, mine)
+    add_monitoring_defaults(chosen, True)  # Lightning sets up again for validate/test: never a second one
+    assert chosen.callbacks == [mine]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
