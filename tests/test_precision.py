@@ -19,7 +19,7 @@ from lightning_hybrid import HybridPrecision
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.precision import DynamicLossScaler, LossScaleError
 from lightning_hybrid.sharding import expected_model_state_bytes
-from tests.conftest import launch
+from tests.conftest import launch, relative_error
 from tests.harness import run_reference
 from tests.test_foundation import assert_parity
 
@@ -61,6 +61,8 @@ GROWTH = _scenario(
     precision_plugin={"precision": "16-mixed", "initial_scale": 256.0, "growth_interval": 2},
     probe=True,
 )
+# the same run stopped after step 3 (mid-epoch) by a ModelCheckpoint and resumed with a fresh plugin
+RESUME = {**GROWTH, "name": "resume-growth-2x2x2-zero2", "resume_after": 3}
 TINY_LR = 1e-3  # below half of bf16's spacing at 1.0 (2**-9 ~ 1.95e-3): a bf16 parameter alone would never move
 TINY_STEPS = 10
 TINY = [
@@ -106,7 +108,7 @@ CLIP_VALUE = _scenario(
     10,
     trainer={"gradient_clip_val": 2e-3, "gradient_clip_algorithm": "value"},
 )
-WORLD8 = [*OVERFLOW, GROWTH, *TINY, *MIXED, *STATE, CLIP_VALUE]
+WORLD8 = [*OVERFLOW, GROWTH, RESUME, *TINY, *MIXED, *STATE, CLIP_VALUE]
 
 
 @pytest.fixture(scope="session")
@@ -155,6 +157,19 @@ def test_loss_scale_grows_after_growth_interval_clean_steps_on_every_rank(precis
     for rank, steps in enumerate(per_rank):
         assert [s["scale"] for s in steps] == want, f"rank {rank}"
         assert all(s["skipped"] == 0 for s in steps)
+
+
+@pytest.mark.timeout(1200)
+def test_resume_restores_the_loss_scaler_and_continues_exactly(precision_group) -> None:
+    whole, resumed = precision_group.get(GROWTH["name"]), precision_group.get(RESUME["name"])
+    k = RESUME["resume_after"]
+    for rank, (before, after) in enumerate(zip(whole["probe"], resumed["probe"])):
+        # the scale (512 at the save, grown once since) and its clean-step count come back from the checkpoint
+        assert [s["scale"] for s in after] == [s["scale"] for s in before[k:]], f"rank {rank}"
+    for step, (got, want) in enumerate(zip(resumed["losses"][k:], whole["losses"][k:]), start=k + 1):
+        assert abs(got - want) <= 1e-6 * abs(want), f"step {step}: loss {got} after resume vs {want}"
+    for name, want in whole["params"].items():
+        assert relative_error(resumed["params"][name], want) <= 1e-6, name
 
 
 # ---------------------------------------------------------------------------------------------- fp32 master weights

@@ -85,6 +85,7 @@ def run(scenario: dict, out_dir: Path) -> None:
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy=strategy, callbacks=[_Bind(), recorder], **kwargs
         )
+        probe = _precision_probes(trainer, scenario)  # records the resumed steps only
         recorder.grads_locked = True
         trainer.fit(module, train_dataloaders=loader, ckpt_path=str(path))
     elif scenario.get("resume_from"):
