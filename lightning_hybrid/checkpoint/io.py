@@ -124,6 +124,7 @@ class ShardedCheckpointWriter:
         self._is_rank_zero = False
         self._commit_thread: Optional[threading.Thread] = None
         self._commit_error: list[BaseException] = []
+        self._removals: list[Path] = []  # checkpoints to delete once the pending save is committed
         self._group: Optional[Any] = None
 
     def save(
@@ -172,11 +173,27 @@ class ShardedCheckpointWriter:
                 try:
                     pending.result()
                     _commit(staging, path)
+                    self._remove_deferred()
                 except BaseException as error:  # surfaced by wait()
                     self._commit_error.append(error)
 
             self._commit_thread = threading.Thread(target=commit_when_written, daemon=True)
             self._commit_thread.start()
+
+    def remove(self, path: Path) -> None:
+        """Delete a checkpoint directory (rank 0), but only after a pending background save is committed: so that
+        ``ModelCheckpoint(save_top_k=...)`` removing the older checkpoint never leaves none complete on disk.
+
+        Example:
+            >>> # strategy.remove_checkpoint(path) -> if self.is_global_zero: writer.remove(Path(path))
+        """
+        self._removals.append(Path(path))
+        if self._pending is None:
+            self._remove_deferred()
+
+    def _remove_deferred(self) -> None:
+        while self._removals:
+            shutil.rmtree(self._removals.pop(0), ignore_errors=True)
 
     def wait(self) -> None:
         """Block until the previous asynchronous save is written and committed (no-op when none is pending)."""
@@ -190,6 +207,7 @@ class ShardedCheckpointWriter:
         if self._commit_error:
             error = self._commit_error.pop()
             raise CheckpointError(f"an asynchronous checkpoint save failed: {error}") from error
+        self._remove_deferred()  # any asked for after the commit thread's own pass
         if not self._is_rank_zero and self._staging is not None:
             # rank 0 renames the staging directory once every rank has written: wait until the file system shows it,
             # so that code on this rank may open the checkpoint right away (no collective: wait() also runs on
