@@ -102,6 +102,9 @@ class HybridStrategy(ParallelStrategy):
         zero3_gradient_sync: ZeRO-3 under pipeline parallel: ``"per_step"`` keeps each stage's gradients unsharded
             across micro-batches and reduce-scatters once per step (more memory, less communication);
             ``"per_microbatch"`` reduce-scatters and frees them after every micro-batch's backward.
+        track_gradient_norm: take the global gradient norm (before clipping) every step into
+            ``strategy.last_gradient_norm`` (one pass over the gradients and a scalar all-reduce). Clipping by norm
+            takes it anyway; :class:`~lightning_hybrid.monitoring.HybridMonitor` turns this on.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
         timeout: timeout of collectives.
         async_checkpoint: write checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save
@@ -138,6 +141,7 @@ class HybridStrategy(ParallelStrategy):
         pipeline_partition: Union[str, list[int]] = "uniform",
         pipeline_network: Optional[str] = None,
         zero3_gradient_sync: Literal["per_step", "per_microbatch"] = "per_step",
+        track_gradient_norm: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         async_checkpoint: bool = False,
@@ -184,6 +188,8 @@ class HybridStrategy(ParallelStrategy):
                 f"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch', got {zero3_gradient_sync!r}."
             )
         self._zero3_gradient_sync = zero3_gradient_sync
+        self.track_gradient_norm = track_gradient_norm
+        """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor turns it on."""
         self._activation_checkpointing = activation_checkpointing
         self._vocab_parallel_loss = vocab_parallel_loss
         self._transformer_blocks = transformer_blocks
@@ -206,6 +212,7 @@ class HybridStrategy(ParallelStrategy):
         """The global gradient norm before clipping at the last optimizer step (None if it overflowed)."""
         self._step_norm: Optional[float] = None
         self.model_state_bytes: dict[str, int] = {}
+        self._model_state_settled = False
         """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
         self.num_nodes = 1
 
@@ -287,6 +294,7 @@ class HybridStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._device_mesh = build_device_mesh(self._layout, self.root_device.type)
+        self._data_group = self._device_mesh["data"].get_group()  # slicing a mesh builds a new one: once, not per step
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         table = format_rank_table(self._layout, gather_rank_devices(self.root_device))
@@ -386,13 +394,19 @@ class HybridStrategy(ParallelStrategy):
 
     def _fsdp_kwargs(self) -> dict[str, Any]:
         """FSDP2 arguments for ZeRO-3: under '-true' precisions the fp32 shards are the master weights, cast to the
-        low precision for compute, with gradients reduced and accumulated in fp32."""
+        low precision for compute, with gradients reduced and accumulated in fp32. Under pipeline parallel the
+        parameters stay gathered from forward to backward (as torchtitan does): otherwise every micro-batch's
+        backward gathers them again, nearly doubling the data-parallel traffic."""
+        kwargs: dict[str, Any] = {}
+        if self.layout.pipeline_parallel_size > 1:
+            kwargs["reshard_after_forward"] = False
         plugin = self.precision_plugin
-        if plugin.master_dtype is None:
-            return {}
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        if plugin.master_dtype is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        return {"mp_policy": MixedPrecisionPolicy(param_dtype=plugin.compute_dtype, reduce_dtype=plugin.master_dtype)}
+            policy = MixedPrecisionPolicy(param_dtype=plugin.compute_dtype, reduce_dtype=plugin.master_dtype)
+            kwargs["mp_policy"] = policy
+        return kwargs
 
     def _cut_pipeline(self, module: pl.LightningModule, structure: ModelStructure) -> Any:
         layout, options = self.layout, self._pipeline_options
@@ -560,7 +574,7 @@ class HybridStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         context = getattr(self.precision_plugin, _STEP_CONTEXTS[name])
         with context(), self._loss_context():
-            with _plain_logging(self.lightning_module, self.device_mesh["data"]):
+            with _plain_logging(self.lightning_module, self._data_group):
                 if self._pipeline is not None:
                     # the schedule runs backward inside the step: the fp16 loss scale is applied there
                     self._pipeline.loss_scale = self.precision_plugin.loss_scale or 1.0
@@ -610,17 +624,24 @@ class HybridStrategy(ParallelStrategy):
             result = closure()
             self.reduce_gradients(sharded)
             assert self._gradient_norm is not None
-            found_inf = plugin.unscale_gradients_(self._gradient_norm.gradients(), self.root_device)
-            self.last_gradient_norm = self._step_norm = None if found_inf else self._gradient_norm.total()
+            found_inf = plugin.scaler is not None and plugin.unscale_gradients_(
+                self._gradient_norm.gradients(), self.root_device
+            )
+            # one pass over the gradients and a scalar all-reduce: only when asked (clipping takes it anyway)
+            tracked = self.track_gradient_norm and not found_inf
+            self.last_gradient_norm = self._step_norm = self._gradient_norm.total() if tracked else None
             return result
 
         try:
             output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
         finally:
             self._step_norm = None
-        self.model_state_bytes = measure_model_state_bytes(
-            self.lightning_module, self.optimizers, self._sharded_optimizers or None
-        )
+        if not self._model_state_settled:
+            # sizes settle once every state tensor exists (after the first real step): stop measuring then
+            zero = self._sharded_optimizers or None
+            measured = measure_model_state_bytes(self.lightning_module, self.optimizers, zero)
+            self._model_state_settled = measured == self.model_state_bytes and not plugin.found_inf
+            self.model_state_bytes = measured
         if plugin.found_inf:
             # weights and optimizer state stay as they were; the overflowed gradients go
             if sharded is not None:
@@ -849,7 +870,7 @@ def _is_stub(module: nn.Module) -> bool:
 
 
 @contextmanager
-def _plain_logging(module: pl.LightningModule, data_mesh: DeviceMesh) -> Generator[None, None, None]:
+def _plain_logging(module: pl.LightningModule, data_group: Any) -> Generator[None, None, None]:
     """While a step runs, ``self.log`` receives plain tensors (not DTensors) and ``sync_dist`` reduces over the
     data-parallel group only: tensor/pipeline peers hold the same value, so including them would double-count."""
     original = module.log
@@ -858,7 +879,7 @@ def _plain_logging(module: pl.LightningModule, data_mesh: DeviceMesh) -> Generat
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         value = apply_to_collection(value, DTensor, to_plain)
         if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
-            kwargs["sync_dist_group"] = data_mesh.get_group()
+            kwargs["sync_dist_group"] = data_group
         return original(name, value, *args, **kwargs)
 
     module.log = log  # type: ignore[method-assign]

@@ -48,9 +48,14 @@ OVERFLOW = [
         probe=True,
     )
     for name, strategy, dp, precision in [
-        ("2x2x2-zero1-16mixed", {**LAYOUT_3D, "zero_stage": 1}, 2, "16-mixed"),
-        ("2x2x2-zero3-16mixed", {**LAYOUT_3D, "zero_stage": 3}, 2, "16-mixed"),
-        ("tp2-dp4-zero2-16true", {"tensor_parallel_size": 2, "zero_stage": 2}, 4, "16-true"),
+        ("2x2x2-zero1-16mixed", {**LAYOUT_3D, "zero_stage": 1, "track_gradient_norm": True}, 2, "16-mixed"),
+        ("2x2x2-zero3-16mixed", {**LAYOUT_3D, "zero_stage": 3, "track_gradient_norm": True}, 2, "16-mixed"),
+        (
+            "tp2-dp4-zero2-16true",
+            {"tensor_parallel_size": 2, "zero_stage": 2, "track_gradient_norm": True},
+            4,
+            "16-true",
+        ),
     ]
 ]
 GROWTH = _scenario(

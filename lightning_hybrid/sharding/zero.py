@@ -5,8 +5,9 @@ with ``torch.distributed.pipelining``. Stages 0-2 keep whole parameters on every
 and ``ZeroRedundancyOptimizer`` cannot do for DTensor parameters or evenly (it shards whole tensors), so they are
 written here, in the flat-buffer form DeepSpeed and Megatron's distributed optimizer use:
 
-* gradients are reduced once per optimizer step, after all micro-batches (stage 0/1: all-reduce; stage 2:
-  reduce-scatter, full gradients freed before the step);
+* gradients are reduced once per optimizer step, after all micro-batches (stage 0: all-reduce; stage 1/2:
+  reduce-scatter into the rank's shard, so with the all-gather after the step a ZeRO step moves what one DDP
+  all-reduce moves; stage 1 keeps the full-size gradient buffer until the step, stage 2 frees it at once);
 * stage 1/2: each rank owns ``1/dp`` of a flat copy of every parameter group, the user's optimizer object is kept
   (so LR schedulers and hyper-parameters keep working) but steps only that shard; the updated shards are all-gathered
   back into the model's parameters.
@@ -243,6 +244,8 @@ class ShardedOptimizer:
         """Average gradients over the data-parallel group, once per optimizer step."""
         self.fold_gradients()
         self._flat_grads = []
+        if not self.uses_masters and self.dp == 1:
+            return  # nothing to reduce, and the optimizer steps the parameters' own gradients
         for g in self.groups:
             if not g.params:
                 self._flat_grads.append(None)
@@ -253,14 +256,15 @@ class ShardedOptimizer:
                 flat = _flat_grads(g.params, pad_to=self._padded(g.shard_size))
                 if g.master is not None:
                     flat = flat.to(g.master.dtype)
-            if self.stage == 2:
+            if self.sharded:
                 shard = flat.new_empty(g.shard_size)
                 _reduce_scatter(shard, flat, group=self.group)
                 shard.div_(self.dp)
                 g.master.grad = shard
                 for p in g.params:
                     p.grad = None
-                self._flat_grads.append(None)
+                # stage 1 keeps the (unreduced) full-size buffer until the step, as ZeRO-1 accounts it
+                self._flat_grads.append(flat if self.stage == 1 else None)
                 continue
             if self.dp > 1:
                 _all_reduce_mean(flat, self.group, self.dp)
@@ -315,7 +319,7 @@ class ShardedOptimizer:
             if g.master is None:
                 out.extend(local_grad(p) for p in g.params)
                 continue
-            if flat is None and g.master.grad is not None:
+            if self.sharded and g.master.grad is not None:  # only this rank's shard is reduced: gather them
                 flat = g.master.grad.new_empty(g.shard_size * self.dp)
                 _all_gather(flat, g.master.grad, group=self.group)
             offset = 0
