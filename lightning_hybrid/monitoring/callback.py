@@ -116,6 +116,8 @@ class HybridMonitor(L.Callback):
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         use_offline_wandb_without_credentials(trainer.loggers)
+        if hasattr(trainer.strategy, "track_gradient_norm"):
+            trainer.strategy.track_gradient_norm = True  # the strategy takes the norm only when someone reads it
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the whole model's parameter count: a collective over the pipeline dimension, so here, on every rank
