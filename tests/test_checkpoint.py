@@ -240,3 +240,89 @@ def test_hugging_face_export_loads_with_from_pretrained(safety: dict[str, Any]) 
     inputs = torch.stack([make_dataset()[i][0] for i in range(4)])
     with torch.no_grad():
         assert torch.equal(exported(input_ids=inputs).logits, module(inputs))
+
+
+# ---------------------------------------------------------------- memory during a save
+MEMORY_BUFFER = 16 * 2**20  # planning metadata, one tensor serialized at a time, the interpreter's own noise
+
+
+@pytest.mark.timeout(600)
+def test_save_memory_grows_by_at_most_the_own_shard(tmp_path: Path) -> None:
+    """2 ranks (dp=2, ZeRO-1), a 3.2M-parameter nanoGPT: while ``trainer.save_checkpoint`` runs, each rank's peak
+    resident memory exceeds what it held before by no more than the bytes it writes (its shards) plus a fixed buffer.
+    Gathering the model or the optimizer state on one rank (13 MB of weights, 39 MB of Adam state and master) would
+    exceed it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[log.find("Traceback") :][:4000] if "Traceback" in log else log[-4000:]
+    for rank in range(2):
+        record = json.loads((tmp_path / f"memory{rank}.json").read_text())
+        growth = record["peak"] - record["before"]
+        assert record["written"] > 8 * 2**20, record  # the model is large enough to see a gather
+        assert growth <= record["written"] + MEMORY_BUFFER, (
+            f"rank {rank}: memory grew by {growth / 2**20:.1f} MiB during the save; it writes"
+            f" {record['written'] / 2**20:.1f} MiB (+ {MEMORY_BUFFER / 2**20:.0f} MiB buffer)"
+        )
+
+
+def _measure_save_memory(out: Path) -> None:
+    """Run by each rank of the memory test (``torchrun ... tests/test_checkpoint.py OUT``)."""
+    import gc
+    import json
+    import os
+    import threading
+    import time
+
+    import lightning as L
+
+    from lightning_hybrid import HybridStrategy
+    from tests.harness import build_module, make_dataset, trainer_kwargs
+
+    torch.set_num_threads(1)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    class MeasureSave(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            gc.collect()
+            before, peak, stop = rss(), [0], threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    peak[0] = max(peak[0], rss())
+                    time.sleep(0.0005)
+
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            trainer.save_checkpoint(out / "memory.ckpt")
+            stop.set()
+            sampler.join()
+            rank = trainer.global_rank
+            written = sum(f.stat().st_size for f in (out / "memory.ckpt").glob(f"__{rank}_*.distcp"))
+            record = {"before": before, "peak": max(peak[0], rss()), "written": written}
+            (out / f"memory{rank}.json").write_text(json.dumps(record))
+
+    module = build_module("nanogpt", n_layer=4, n_embd=256, n_head=4, bias=False)
+    loader = torch.utils.data.DataLoader(make_dataset(), batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(zero_stage=1), callbacks=[MeasureSave()],
+                        **trainer_kwargs(1))  # fmt: skip
+    trainer.fit(module, train_dataloaders=loader)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _measure_save_memory(Path(sys.argv[1]))
