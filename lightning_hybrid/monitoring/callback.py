@@ -108,6 +108,7 @@ class HybridMonitor(L.Callback):
         self._skipped: deque[int] = deque(maxlen=loss_spike_window + 1)
         self._last_batch_end: Optional[float] = None
         self._last_step = 0
+        self._user_tracks_norm = False
         self._tokens_per_sample = 1.0
         self._num_parameters = 0
         self._config_logged = False
@@ -116,6 +117,7 @@ class HybridMonitor(L.Callback):
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         use_offline_wandb_without_credentials(trainer.loggers)
+        self._user_tracks_norm = bool(getattr(trainer.strategy, "track_gradient_norm", False))
         if hasattr(trainer.strategy, "track_gradient_norm"):
             trainer.strategy.track_gradient_norm = True  # the strategy takes the norm only when someone reads it
 
@@ -131,7 +133,11 @@ class HybridMonitor(L.Callback):
     ) -> None:
         if self._last_batch_end is None:
             self._last_batch_end = time.perf_counter()
-        if self.measure_communication and self._meter is None and (trainer.global_step + 1) % self._every(trainer) == 0:
+        logging_step = (trainer.global_step + 1) % self._every(trainer) == 0
+        if hasattr(trainer.strategy, "track_gradient_norm"):
+            # the global norm costs a pass over the gradients and an all-reduce: taken on logging steps only
+            trainer.strategy.track_gradient_norm = logging_step or self._user_tracks_norm
+        if self.measure_communication and self._meter is None and logging_step:
             mesh = _mesh(trainer)
             tensor_parallel = mesh is not None and mesh["tensor"].size() > 1
             self._meter = CommunicationMeter(mesh, functional_collectives=tensor_parallel).__enter__()
