@@ -41,8 +41,8 @@ CAUSES: dict[str, str] = {
     " reduction in `lightning_hybrid/sharding/zero.py`, called from `HybridStrategy.optimizer_step`), where DDP"
     " all-reduces 25 MB buckets during the backward pass and so overlaps communication with the backward compute."
     + _PER_STEP,
-    "dp2_zero1": "DeepSpeed's engine runs without Lightning's loop and logging, and HybridStrategy's ZeRO-1"
-    " all-reduces the whole gradient where a reduce-scatter would do (communication table)." + _PER_STEP,
+    "dp2_zero1": "DeepSpeed's engine runs without Lightning's loop and logging (the example's `training_step` logs"
+    " its loss with `sync_dist=True`, an all-reduce per step)." + _PER_STEP,
     "dp2_zero2": "DeepSpeed's engine runs without Lightning's loop and logging (the example's `training_step` logs"
     " its loss with `sync_dist=True`, an all-reduce per step)." + _PER_STEP,
     "dp2_zero3": "Both run FSDP2 with the same wrapping (each block, then the network), so the difference is the"
