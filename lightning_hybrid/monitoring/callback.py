@@ -118,8 +118,6 @@ class HybridMonitor(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         use_offline_wandb_without_credentials(trainer.loggers)
         self._user_tracks_norm = bool(getattr(trainer.strategy, "track_gradient_norm", False))
-        if hasattr(trainer.strategy, "track_gradient_norm"):
-            trainer.strategy.track_gradient_norm = True  # the strategy takes the norm only when someone reads it
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the whole model's parameter count: a collective over the pipeline dimension, so here, on every rank
