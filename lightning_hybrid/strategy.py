@@ -736,10 +736,6 @@ class HybridStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    def _coordinates(self) -> str:
-        mesh = self.device_mesh
-        return f"pp{mesh['pipeline'].get_local_rank()}_tp{mesh['tensor'].get_local_rank()}"
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # DTensors stay sharded: every rank saves only its own shards
@@ -771,6 +767,13 @@ class HybridStrategy(ParallelStrategy):
         self._checkpoint_writer.save(
             path, model_state, optimizer_states, checkpoint, is_rank_zero=self.is_global_zero, barrier=self.barrier
         )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # ModelCheckpoint(save_top_k=...) drops an older checkpoint when it starts a newer save: with async saves the
+        # deletion waits until the newer one is committed, so a complete checkpoint is always on disk
+        if self.is_global_zero:
+            self._checkpoint_writer.remove(Path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
