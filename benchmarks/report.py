@@ -136,11 +136,11 @@ def bubble_row(comparison: dict[str, Any], record: dict[str, Any]) -> Optional[d
 KNOWN_COSTS: dict[tuple[str, str], str] = {
     ("lightning_hybrid/sharding/norm.py", "total"): "`HybridStrategy.optimizer_step` (`lightning_hybrid/strategy.py`,"
     " `closure_then_reduce`) computes the global gradient norm on every step (`GradientNorm.total`: an fp64 pass over"
-    " every gradient and an all-reduce over all ranks) and checks for inf (`unscale_gradients_`) even in fp32 without"
-    " clipping; compute them only when clipping, fp16 or a logger asks",
+    " every gradient and an all-reduce over all ranks) when clipping by norm, with `track_gradient_norm=True` or on"
+    " `HybridMonitor`'s logging steps",
     ("lightning_hybrid/sharding/memory.py", "measure_model_state_bytes"): "`HybridStrategy.optimizer_step`"
-    " re-measures the model-state bytes after every step (walks every parameter, gradient and optimizer state);"
-    " measure when `model_state_bytes` is read",
+    " measures the model-state bytes (walks every parameter, gradient and optimizer state) on the first steps, until"
+    " the sizes settle; a profile of the first steps still sees it",
     ("torch/distributed/device_mesh.py", "__getitem__"): "`HybridStrategy._run_step` slices"
     ' `self.device_mesh["data"]` on every step; in torch 2.13 each slice builds a new sub-mesh'
     " (`_create_sub_mesh`, milliseconds of CPU); slice once in `setup_environment` and keep the sub-meshes",
