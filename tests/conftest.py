@@ -47,6 +47,38 @@ def launch(world: int, scenarios: list[dict[str, Any]], out_dir: Path, timeout: 
         return LaunchResult(out_dir, f"TIMEOUT after {timeout}s (a hang)\n{log}", -1)
 
 
+# Scenarios of every test module, by world size: each world is launched once per session (process start-up of torch
+# and Lightning is the expensive part on CPU), whichever test asks first. Modules register at import (collection).
+SHARED: dict[int, list[dict[str, Any]]] = {}
+# seconds a shared launch may take per scenario (8 CPU processes on 2 cores; most scenarios take 5-20 s)
+_SECONDS_PER_SCENARIO = 60
+
+
+def share(world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add ``scenarios`` to the session's launch of ``world`` processes; returns them."""
+    group = SHARED.setdefault(world, [])
+    taken = {s["name"] for s in group}
+    clashes = [s["name"] for s in scenarios if s["name"] in taken]
+    assert not clashes, f"scenario names must be unique across test modules: {clashes}"
+    group.extend(scenarios)
+    return scenarios
+
+
+@pytest.fixture(scope="session")
+def shared_groups(tmp_path_factory: pytest.TempPathFactory):
+    """``get(world)``: the results of every registered scenario of that world, launched once (lazily)."""
+    cache: dict[int, LaunchResult] = {}
+
+    def get(world: int) -> LaunchResult:
+        if world not in cache:
+            scenarios = SHARED[world]
+            timeout = max(900, _SECONDS_PER_SCENARIO * len(scenarios))
+            cache[world] = launch(world, scenarios, tmp_path_factory.mktemp(f"shared{world}"), timeout=timeout)
+        return cache[world]
+
+    return get
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| (per tensor; robust to elements that are exactly zero)."""
     actual, expected = actual.double(), expected.double()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import launch, relative_error
+from tests.conftest import launch, relative_error, share
 from tests.harness import run_reference
 
 TOL = 1e-5
@@ -52,17 +52,20 @@ TARGETS8 = [
 TARGETS = [*TARGETS8, "reshard-to-tp1-pp1-dp1"]
 
 
+share(8, [SOURCE, *TARGETS8])  # launched with the other modules' 8-process scenarios
+
+
 @pytest.fixture(scope="module")
-def reshard_groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("reshard8")
-    group8 = launch(8, [SOURCE, *TARGETS8], out, timeout=600)
+def reshard_groups(shared_groups, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    group8 = shared_groups(8)
+    out = group8.out_dir
     checkpoint = next(out.glob(SOURCE_CKPT), None)
     single = _case("reshard-to-tp1-pp1-dp1", 1, 1, 1, 1, resume_from=str(checkpoint))
     group1 = launch(1, [single], tmp_path_factory.mktemp("reshard1"), timeout=300)
     return {"source": group8, **{t["name"]: group8 for t in TARGETS8}, single["name"]: group1}
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)  # the first one waits for the session's shared 8-process launch
 @pytest.mark.parametrize("target", [t if isinstance(t, str) else t["name"] for t in TARGETS])
 def test_checkpoint_loads_into_another_layout(reshard_groups: dict[str, Any], target: str) -> None:
     """Saved at (tp=2, pp=2, dp=2, ZeRO-1) mid-epoch; loaded at ``target``: the first loss after loading equals the

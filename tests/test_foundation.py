@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from lightning_hybrid.sharding import expected_model_state_bytes
-from tests.conftest import launch, relative_error
+from tests.conftest import relative_error, share
 from tests.harness import run_reference
 
 STEPS = 10
@@ -62,6 +62,7 @@ WORLD2 = [
     # stop mid-epoch at step 3 (ModelCheckpoint), resume in a new Trainer to step 10: exact continuation
     scenario("nanogpt-dp2-zero3-resume", "nanogpt", {"zero_stage": 3}, 2, resume_after=3, batch_size=16),
     scenario("nanogpt-dp2-zero1-resume", "nanogpt", {"zero_stage": 1}, 2, resume_after=3, batch_size=16),
+    scenario("nanogpt-dp2-zero3-uninterrupted", "nanogpt", {"zero_stage": 3}, 2, batch_size=16),
     # gradients clipped by the global norm (small enough to clip every step), ZeRO-2 over data
     scenario("nanogpt-dp2-zero2-clip", "nanogpt", {"zero_stage": 2}, 2, trainer={"gradient_clip_val": 0.05}),
     scenario(
@@ -93,14 +94,18 @@ WORLD4 = [
 PARITY = [s for s in WORLD2 + WORLD4 if not s.get("expect_error")]
 
 
-@pytest.fixture(scope="session")
-def group2(tmp_path_factory: pytest.TempPathFactory):
-    return launch(2, WORLD2, tmp_path_factory.mktemp("world2"), timeout=600)
+share(2, WORLD2)
+share(4, WORLD4)
 
 
 @pytest.fixture(scope="session")
-def group4(tmp_path_factory: pytest.TempPathFactory):
-    return launch(4, WORLD4, tmp_path_factory.mktemp("world4"), timeout=600)
+def group2(shared_groups):
+    return shared_groups(2)
+
+
+@pytest.fixture(scope="session")
+def group4(shared_groups):
+    return shared_groups(4)
 
 
 @functools.cache
@@ -126,7 +131,7 @@ def reference_for(scenario: dict[str, Any]) -> dict[str, Any]:
     return {k: (dict(v) if isinstance(v, dict) else v) for k, v in ref.items()}
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("scenario", PARITY, ids=[s["name"] for s in PARITY])
 def test_parity_with_single_process(request: pytest.FixtureRequest, scenario: dict[str, Any]) -> None:
     result, reference = _result_and_reference(request, scenario)
@@ -160,10 +165,32 @@ def assert_parity(result: dict[str, Any], reference: dict[str, Any], tied: dict[
         assert err <= TOL, f"gradient of {name} after step 1: relative error {err:.2e}"
 
 
+RESUME_RTOL = 1e-6
+
+
+def assert_resume_is_exact(resumed: dict[str, Any], whole: dict[str, Any], after: int) -> None:
+    """The run stopped after step ``after`` and resumed equals the same run never stopped (same layout): every loss
+    after the stop and every final parameter within RESUME_RTOL relative."""
+    assert len(resumed["losses"]) == len(whole["losses"])
+    for step, (got, want) in enumerate(zip(resumed["losses"], whole["losses"]), start=1):
+        if step > after:
+            assert abs(got - want) <= RESUME_RTOL * abs(want), f"step {step}: loss {got} resumed vs {want}"
+    for name, want in whole["params"].items():
+        err = relative_error(resumed["params"][name], want)
+        assert err <= RESUME_RTOL, f"final parameter {name}: relative error {err:.2e} resumed vs uninterrupted"
+
+
+@pytest.mark.timeout(2400)
+def test_resume_equals_the_uninterrupted_run(group2) -> None:
+    assert_resume_is_exact(
+        group2.get("nanogpt-dp2-zero3-resume"), group2.get("nanogpt-dp2-zero3-uninterrupted"), after=3
+    )
+
+
 ZERO_REPORT = [s for s in PARITY if "zero" in s["name"] and "-ac" not in s["name"]]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("scenario", ZERO_REPORT, ids=[s["name"] for s in ZERO_REPORT])
 def test_model_state_report_matches_zero_formula(request: pytest.FixtureRequest, scenario: dict[str, Any]) -> None:
     result, _ = _result_and_reference(request, scenario)

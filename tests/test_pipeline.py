@@ -10,8 +10,8 @@ import pytest
 
 from lightning_hybrid import HybridConfigError, HybridStrategy
 from lightning_hybrid.pipeline import partition_blocks
-from tests.conftest import launch
-from tests.test_foundation import assert_parity, reference_for, scenario
+from tests.conftest import share
+from tests.test_foundation import assert_parity, assert_resume_is_exact, reference_for, scenario
 
 SCHEDULES = {
     "gpipe": {},
@@ -152,6 +152,16 @@ WORLD8 += [
     )  # fmt: skip
     for z in (1, 3)
 ]
+WORLD8.append(
+    scenario(
+        "tp2-pp2-dp2-zero1-uninterrupted",
+        "nanogpt",
+        {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "zero_stage": 1},
+        2,
+        model_kwargs=LAYERS4,
+        batch_size=16,
+    )  # fmt: skip
+)
 WORLD2.append(
     scenario(
         "pp2-tied-clip",
@@ -169,30 +179,33 @@ PARITY = [s for group in GROUPS.values() for s in group if not s.get("expect_err
 TIED = {"pp2-tied": {"model.lm_head.weight": "model.wte.weight"}, **TIED_CLIP}
 
 
+for _world, _scenarios in GROUPS.items():
+    share(_world, _scenarios)
+
+
 @pytest.fixture(scope="session")
-def pipeline_groups(tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[int, Any] = {}
-
-    def get(world: int):
-        if world not in cache:
-            cache[world] = launch(world, GROUPS[world], tmp_path_factory.mktemp(f"pipeline{world}"), timeout=900)
-        return cache[world]
-
-    return get
+def pipeline_groups(shared_groups):
+    return shared_groups
 
 
 def _group_of(s: dict[str, Any]) -> int:
     return next(world for world, group in GROUPS.items() if s in group)
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("case", PARITY, ids=[s["name"] for s in PARITY])
 def test_pipeline_parity_with_single_process(pipeline_groups, case: dict[str, Any]) -> None:
     result = pipeline_groups(_group_of(case)).get(case["name"])
     assert_parity(result, reference_for(case), TIED.get(case["name"]))
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
+def test_3d_resume_equals_the_uninterrupted_run(pipeline_groups) -> None:
+    group = pipeline_groups(8)
+    assert_resume_is_exact(group.get("tp2-pp2-dp2-zero1-resume"), group.get("tp2-pp2-dp2-zero1-uninterrupted"), 3)
+
+
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_data_parallel_collectives_do_not_grow_with_microbatches(pipeline_groups, zero_stage: int) -> None:
     group = pipeline_groups(4)
@@ -201,7 +214,7 @@ def test_data_parallel_collectives_do_not_grow_with_microbatches(pipeline_groups
     assert counts[2] == counts[4], f"data-parallel collectives per step changed with num_microbatches: {counts}"
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_predict_runs_through_the_pipeline_and_returns_outputs_on_every_rank(pipeline_groups) -> None:
     """trainer.predict under pp=2: forward-only schedule; the last stage's logits reach rank 0 (a first-stage rank)
     and equal the single-device model's logits for the same final weights."""
@@ -220,7 +233,7 @@ def test_predict_runs_through_the_pipeline_and_returns_outputs_on_every_rank(pip
     assert torch.allclose(result["predictions"], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_zero3_gradient_sync_choice_is_measured(pipeline_groups) -> None:
     """ZeRO-3 under a pipeline: 'per_step' reduce-scatters each stage's gradients once per step, 'per_microbatch'
     after every micro-batch; both gather parameters per micro-batch forward. The counts go to docs/pipeline.md."""
@@ -238,7 +251,7 @@ def test_zero3_gradient_sync_choice_is_measured(pipeline_groups) -> None:
     assert growth["per_microbatch"] > growth["per_step"], counts
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_lightning_callbacks_under_pipeline_and_data_parallel(pipeline_groups) -> None:
     """ModelCheckpoint monitoring a validation metric, EarlyStopping and LearningRateMonitor run under pp=2 x dp=2:
     validation goes through the pipeline, the metric reaches every rank, top-k checkpoints are saved and pruned."""
@@ -254,7 +267,7 @@ def test_lightning_callbacks_under_pipeline_and_data_parallel(pipeline_groups) -
     assert any(column.startswith("lr-") for column in result["logged_columns"]), result["logged_columns"]
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize(
     ("name", "match"),
     [

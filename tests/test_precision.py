@@ -19,7 +19,7 @@ from lightning_hybrid import HybridPrecision
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.precision import DynamicLossScaler, LossScaleError
 from lightning_hybrid.sharding import expected_model_state_bytes
-from tests.conftest import launch, relative_error
+from tests.conftest import relative_error, share
 from tests.harness import run_reference
 from tests.test_foundation import assert_parity
 
@@ -116,9 +116,12 @@ CLIP_VALUE = _scenario(
 WORLD8 = [*OVERFLOW, GROWTH, RESUME, *TINY, *MIXED, *STATE, CLIP_VALUE]
 
 
+share(8, WORLD8)  # launched with the other modules' 8-process scenarios
+
+
 @pytest.fixture(scope="session")
-def precision_group(tmp_path_factory: pytest.TempPathFactory):
-    return launch(8, WORLD8, tmp_path_factory.mktemp("precision8"), timeout=900)
+def precision_group(shared_groups):
+    return shared_groups(8)
 
 
 @functools.cache
@@ -129,7 +132,7 @@ def _reference(name: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- overflow agreement
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("scenario", OVERFLOW, ids=[s["name"] for s in OVERFLOW])
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(precision_group, scenario: dict[str, Any]) -> None:
     per_rank = precision_group.get(scenario["name"])["probe"]
@@ -155,7 +158,7 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(precision_group, scen
         assert len({steps[step]["scale"] for steps in per_rank}) == 1, f"ranks disagree on the scale at step {step}"
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_loss_scale_grows_after_growth_interval_clean_steps_on_every_rank(precision_group) -> None:
     per_rank = precision_group.get(GROWTH["name"])["probe"]
     want = [256.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0]  # doubles after every 2nd clean step
@@ -164,7 +167,7 @@ def test_loss_scale_grows_after_growth_interval_clean_steps_on_every_rank(precis
         assert all(s["skipped"] == 0 for s in steps)
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_resume_restores_the_loss_scaler_and_continues_exactly(precision_group) -> None:
     whole, resumed = precision_group.get(GROWTH["name"]), precision_group.get(RESUME["name"])
     k = RESUME["resume_after"]
@@ -178,7 +181,7 @@ def test_resume_restores_the_loss_scaler_and_continues_exactly(precision_group) 
 
 
 # ---------------------------------------------------------------------------------------------- fp32 master weights
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("scenario", TINY, ids=[s["name"] for s in TINY])
 def test_bf16_true_accumulates_updates_below_bf16_resolution(precision_group, scenario: dict[str, Any]) -> None:
     # the claim being tested: in pure bf16 each update is rounded away
@@ -198,7 +201,7 @@ def test_bf16_true_accumulates_updates_below_bf16_resolution(precision_group, sc
 
 
 # ---------------------------------------------------------------------------------------------- mixed vs fp32
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("scenario", MIXED, ids=[s["name"] for s in MIXED])
 def test_mixed_precision_stays_within_two_percent_of_fp32(precision_group, scenario: dict[str, Any]) -> None:
     losses = precision_group.get(scenario["name"])["losses"]
@@ -211,7 +214,7 @@ def test_mixed_precision_stays_within_two_percent_of_fp32(precision_group, scena
 
 
 # ---------------------------------------------------------------------------------------------- memory and clipping
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("scenario", [*STATE, *TINY], ids=[s["name"] for s in [*STATE, *TINY]])
 def test_model_state_report_reflects_the_precision(precision_group, scenario: dict[str, Any]) -> None:
     result = precision_group.get(scenario["name"])
@@ -230,7 +233,7 @@ def test_model_state_report_reflects_the_precision(precision_group, scenario: di
             assert abs(got - want) <= 0.05 * want, f"rank {rank} {key}: measured {got}, formula {want}"
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_value_clipping_matches_single_process(precision_group) -> None:
     assert_parity(precision_group.get(CLIP_VALUE["name"]), _reference(CLIP_VALUE["name"]))
 
