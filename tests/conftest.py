@@ -57,10 +57,11 @@ _SECONDS_PER_SCENARIO = 60
 def share(world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Add ``scenarios`` to the session's launch of ``world`` processes; returns them."""
     group = SHARED.setdefault(world, [])
-    taken = {s["name"] for s in group}
-    clashes = [s["name"] for s in scenarios if s["name"] in taken]
+    taken = {s["name"]: s for s in group}
+    # a module imported twice (as a test file and by another module) registers the same scenarios again: keep one
+    clashes = [s["name"] for s in scenarios if s["name"] in taken and taken[s["name"]] != s]
     assert not clashes, f"scenario names must be unique across test modules: {clashes}"
-    group.extend(scenarios)
+    group.extend(s for s in scenarios if s["name"] not in taken)
     return scenarios
 
 
