@@ -72,7 +72,11 @@ def shared_groups(tmp_path_factory: pytest.TempPathFactory):
 
     def get(world: int) -> LaunchResult:
         if world not in cache:
-            scenarios = SHARED[world]
+            # pytest may import this file as `conftest` while test modules import `tests.conftest`: read the copy they
+            # registered into
+            from tests.conftest import SHARED as registered
+
+            scenarios = registered[world]
             timeout = max(900, _SECONDS_PER_SCENARIO * len(scenarios))
             cache[world] = launch(world, scenarios, tmp_path_factory.mktemp(f"shared{world}"), timeout=timeout)
         return cache[world]
