@@ -42,6 +42,20 @@ SMOKE_MODELS: dict[str, dict[str, Any]] = {
     "deep": {"vocab_size": 64, "block_size": 8, "n_layer": 8, "n_head": 2, "n_embd": 16},
     "tiny": {"vocab_size": 64, "block_size": 8, "n_layer": 4, "n_head": 2, "n_embd": 16},
 }
+# On GPUs the CPU sizes would measure launch latency, not training: GPT-2 small width (the pipeline runs' `deep`
+# model has 16 blocks so that 8 stages of interleaved pp=4 divide it).
+GPU_MODELS: dict[str, dict[str, Any]] = {
+    "dense": {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768},
+    "deep": {"vocab_size": 50304, "block_size": 1024, "n_layer": 16, "n_head": 12, "n_embd": 768},
+    "tiny": SMOKE_MODELS["tiny"],
+}
+
+
+def models_for(*, smoke: bool, device: str) -> dict[str, dict[str, Any]]:
+    """The model sizes of a run: tiny ones for the smoke run, GPT-2 small width on GPUs, CPU-sized otherwise."""
+    return SMOKE_MODELS if smoke else GPU_MODELS if device == "cuda" else MODELS
+
+
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"]
 VIRTUAL = {"interleaved_1f1b": 2, "interleaved_zero_bubble": 2, "zbv_zero_bubble": 2}
 LIGHTNING_TARGET = 1.00  # step time <= the Lightning strategy that does the same job
@@ -67,8 +81,10 @@ def _pipeline(world: int, schedule: str, microbatches: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def comparisons() -> list[dict[str, Any]]:
-    """Every comparison, grouped by the process group it runs in (``group``)."""
+def comparisons(device: str = "cpu") -> list[dict[str, Any]]:
+    """Every comparison, grouped by the process group it runs in (``group``). On GPUs (``device="cuda"``) the
+    DeepSpeed references are Lightning's ``DeepSpeedStrategy`` and ZeRO-3 is also compared with ``FSDPStrategy``
+    (Lightning refuses both on CPU, where the DeepSpeed reference is its engine)."""
     out: list[dict[str, Any]] = [
         {"name": "dp2_zero0", "a": hybrid(zero_stage=0), "b": {"kind": "ddp"}, "target": LIGHTNING_TARGET,
          "layout": "dp=2, ZeRO-0", "reference": 'Lightning `"ddp"`'},
@@ -82,6 +98,15 @@ def comparisons() -> list[dict[str, Any]]:
          "target": LIGHTNING_TARGET, "layout": "tp=2, automatic plan",
          "reference": "ModelParallelStrategy, TP plan by hand"},
     ]  # fmt: skip
+    if device == "cuda":
+        for c in out:
+            if c["b"]["kind"] == "deepspeed":
+                stage = c["b"]["zero_stage"]
+                c["b"] = {"kind": "lightning_deepspeed", "zero_stage": stage}
+                c["reference"] = f"Lightning `DeepSpeedStrategy` ZeRO-{stage}"
+        out.insert(4, {"name": "dp2_zero3_fsdp1", "a": hybrid(zero_stage=3), "b": {"kind": "lightning_fsdp"},
+                       "target": LIGHTNING_TARGET, "layout": "dp=2, ZeRO-3",
+                       "reference": "Lightning `FSDPStrategy` (FULL_SHARD, per block)"})  # fmt: skip
     for c in out:
         c.update(group="w2", world=2, model="dense", global_batch=16)
     out += [{**_pipeline(2, s, 8), "group": "w2", "reference": "plain `torch.distributed.pipelining`"}
@@ -161,10 +186,14 @@ def _worker(config_path: Path) -> None:
         from benchmarks.pipeline_bubble import _set_autogroup_nice
 
         _set_autogroup_nice(config["priority"])
-    torch.set_num_threads(1)
+    cuda = config.get("device") == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        torch.set_num_threads(1)
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    models = SMOKE_MODELS if config["smoke"] else MODELS
+        dist.init_process_group("nccl" if cuda else "gloo")
+    models = models_for(smoke=config["smoke"], device=config.get("device", "cpu"))
     warmup, measured, rounds = config["warmup"], config["measured"], config["rounds"]
     steps = 1 + warmup + measured
     out_dir = Path(config["out_dir"])
@@ -185,8 +214,10 @@ def _worker(config_path: Path) -> None:
                         times = times[:-1]
                         record["theory_inputs"] = _gather({k: v for k, v in extra.items() if k != "profile"})
                     else:
-                        times, _ = _run_contestant(comparison[side], model, batch, steps)
+                        times, extra = _run_contestant(comparison[side], model, batch, steps)
                     row[side] = _slowest_rank(times[warmup:])
+                    if cuda:
+                        row[side]["peak_memory_bytes"] = max(_gather(extra.get("peak_memory_bytes") or 0))
                     dist.barrier()
                 record["rounds"].append(row)
             a = [statistics.median(r["a"]["wall"]) for r in record["rounds"]]
@@ -222,17 +253,20 @@ def launch_group(
     timeout: float,
     priority: Optional[int],
     profile_all: bool = False,
+    device: str = "cpu",
 ) -> dict[str, dict[str, Any]]:
     """Run ``selected`` (all of one group) in one ``torchrun`` group; the records by name (failed ones carry an
     ``error``; ones the group never reached are missing)."""
     world = selected[0]["world"]
     with tempfile.TemporaryDirectory(prefix=f"bench_{group}_") as work:
         config = {"comparisons": selected, "smoke": smoke, "warmup": warmup, "measured": measured, "rounds": rounds,
-                  "out_dir": work, "priority": priority, "profile_all": profile_all}  # fmt: skip
+                  "out_dir": work, "priority": priority, "profile_all": profile_all, "device": device}  # fmt: skip
         config_path = Path(work) / "config.json"
         config_path.write_text(json.dumps(config))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+        env = {**os.environ, "LH_BENCH_DEVICE": device,
                "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+        if device == "cpu":  # one thread per rank: the ranks share the cores
+            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
                "-m", "benchmarks.compare", "--worker", str(config_path)]  # fmt: skip
         print(f"launching {world} processes: {', '.join(c['name'] for c in selected)}", flush=True)
@@ -270,6 +304,10 @@ def summarise(comparison: dict[str, Any], record: dict[str, Any]) -> dict[str, A
             f"{prefix}ratio": statistics.median(ratios), f"{prefix}ratio_min": min(ratios),
             f"{prefix}ratio_max": max(ratios),
         })  # fmt: skip
+    for side in ("a", "b"):  # GPU runs: the largest peak memory of a rank over the rounds
+        peaks = [r[side].get("peak_memory_bytes") for r in record["rounds"]]
+        if any(peaks):
+            out[f"{side}_peak_memory_bytes"] = max(x or 0 for x in peaks)
     out.update(target=comparison["target"], met=out["ratio"] <= comparison["target"], rounds=len(record["rounds"]),
                steps_per_round=len(record["rounds"][0]["a"]["wall"]), seconds=record.get("seconds"))  # fmt: skip
     return out

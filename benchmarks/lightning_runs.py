@@ -1,5 +1,6 @@
 """The Lightning side of the comparisons: ``HybridStrategy`` and the Lightning strategies that do the same job
-(``"ddp"``, ``ModelParallelStrategy`` with FSDP2, ``ModelParallelStrategy`` with a hand-written TP plan).
+(``"ddp"``, ``ModelParallelStrategy`` with FSDP2, ``ModelParallelStrategy`` with a hand-written TP plan, and on GPUs,
+where Lightning allows them, ``FSDPStrategy`` and ``DeepSpeedStrategy``).
 
 Every run trains ``examples.nanogpt.NanoGPT`` on the token batches of :func:`benchmarks.plain_torch.token_batches`
 and returns the wall and CPU time of each training-loop iteration (end of one batch to the end of the next: data, hooks,
@@ -22,7 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.plain_torch import SEED, hand_tensor_parallel, token_batches
+from benchmarks.plain_torch import SEED, bench_device, hand_tensor_parallel, token_batches
+
+# On GPUs every contestant runs bf16-mixed (the plain-torch references under the same autocast); on CPU fp32.
+PRECISION = {"cuda": "bf16-mixed", "cpu": "32-true"}
 
 
 class StepClock(L.Callback):
@@ -46,6 +50,8 @@ class StepClock(L.Callback):
             self._profiler.enable()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()  # kernels run asynchronously: the step ends when the GPU is done
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
             self.communication = {k: (s.calls, s.bytes, s.seconds) for k, s in self._meter.totals().items()}
@@ -121,6 +127,16 @@ def _strategy(spec: dict[str, Any], world: int) -> Any:
         return HybridStrategy(**spec.get("strategy", {}))
     if kind == "ddp":
         return "ddp"
+    if kind == "lightning_fsdp":  # GPU only: Lightning refuses FSDPStrategy on CPU
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        from examples.nanogpt import Block
+
+        return FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block})
+    if kind == "lightning_deepspeed":  # GPU only: Lightning refuses DeepSpeedStrategy on CPU
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(stage=spec["zero_stage"])
     if kind in ("model_parallel_fsdp", "model_parallel_tp"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -164,9 +180,13 @@ def run_lightning(
     tokens = token_batches(model["vocab_size"], model["block_size"], global_batch, steps)
     data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     clock = StepClock(meter_step, profile)
+    device = bench_device().type
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if device == "cuda" else "cpu",
         devices=world,
+        precision=PRECISION[device],
         strategy=_strategy(spec, world),
         callbacks=[clock],
         max_steps=steps,
@@ -180,7 +200,7 @@ def run_lightning(
     module = _module(spec, model)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=global_batch // dp, drop_last=True))
     times = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(clock.ends, clock.ends[1:])]
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None}
     strategy = trainer.strategy
     if spec["kind"] == "hybrid":
         extra["model_state_bytes"] = dict(getattr(strategy, "model_state_bytes", {}) or {})

@@ -11,8 +11,10 @@ Example (inside an initialised process group of 2 CPU processes):
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -31,6 +33,22 @@ SCHEDULE_CLASSES = {
 }
 
 
+def bench_device() -> torch.device:
+    """The device of this rank: the GPU of its local rank when the launcher asked for CUDA (``LH_BENCH_DEVICE``),
+    else the CPU."""
+    if os.environ.get("LH_BENCH_DEVICE") == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def bench_autocast() -> Iterator[None]:
+    """bf16 autocast on GPU (what ``precision="bf16-mixed"`` does for the Lightning runs); nothing on CPU (fp32)."""
+    device = bench_device()
+    with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
+        yield
+
+
 def token_batches(vocab_size: int, block_size: int, global_batch: int, steps: int) -> torch.Tensor:
     """``steps * global_batch`` random sequences of ``block_size + 1`` tokens (inputs and shifted targets); every run
     and every rank draws the same ones."""
@@ -44,7 +62,7 @@ def build_gpt(model: dict[str, Any]) -> nn.Module:
 
     torch.manual_seed(SEED)
     fields = {k: v for k, v in model.items() if k in GPTConfig.__dataclass_fields__}
-    return GPT(GPTConfig(**fields))
+    return GPT(GPTConfig(**fields)).to(bench_device())
 
 
 def adamw(params: list[nn.Parameter], learning_rate: float = 1e-3, weight_decay: float = 0.1) -> torch.optim.AdamW:
@@ -100,7 +118,7 @@ def _schedule(
         # the micro-batch mean over m micro-batches: the batch mean's gradient, as Lightning's runs compute it
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1)) / microbatches
 
-    device = torch.device("cpu")
+    device = bench_device()
     built = [pipelining.PipelineStage(p, s, num_stages, device, group=group) for p, s in zip(parts, stages)]
     cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
     if schedule in MULTI_STAGE:
@@ -111,10 +129,13 @@ def _schedule(
 def _timed_steps(steps: int, one_step: Callable[[int], None]) -> list[tuple[float, float]]:
     """(wall, CPU) seconds of each step: CPU time is what this process computed, which other jobs on a shared
     machine disturb far less than wall time."""
+    cuda = bench_device().type == "cuda"
     times = []
     for s in range(steps):
         wall, cpu = time.perf_counter(), time.process_time()
         one_step(s)
+        if cuda:
+            torch.cuda.synchronize()  # kernels run asynchronously: the step ends when the GPU is done
         times.append((time.perf_counter() - wall, time.process_time() - cpu))
     return times
 
@@ -135,10 +156,11 @@ def plain_pipeline(
     first, last = 0 in stages, num_stages - 1 in stages
 
     def one_step(s: int) -> None:
-        batch = tokens[s * global_batch : (s + 1) * global_batch]
+        batch = tokens[s * global_batch : (s + 1) * global_batch].to(bench_device())
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         kwargs: dict[str, Any] = {"target": y, "losses": []} if last else {}
-        pipe.step(*((x,) if first else ()), **kwargs)
+        with bench_autocast():
+            pipe.step(*((x,) if first else ()), **kwargs)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -203,7 +225,7 @@ def plain_3d(
     world = dist.get_world_size()
     pp, tp = pipeline_parallel_size, tensor_parallel_size
     dp = world // (pp * tp)
-    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pipeline", "data", "tensor"))
+    mesh = init_device_mesh(bench_device().type, (pp, dp, tp), mesh_dim_names=("pipeline", "data", "tensor"))
     pp_rank, dp_rank = mesh["pipeline"].get_local_rank(), mesh["data"].get_local_rank()
     gpt = build_gpt(model)
     stages, num_stages, parts = _stage_parts(gpt, schedule, pp_rank, pp)
@@ -223,10 +245,10 @@ def plain_3d(
 
     def one_step(s: int) -> None:
         begin = s * global_batch + dp_rank * per_replica
-        batch = tokens[begin : begin + per_replica]
+        batch = tokens[begin : begin + per_replica].to(bench_device())
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         kwargs: dict[str, Any] = {"target": y, "losses": []} if last else {}
-        with loss_parallel():
+        with loss_parallel(), bench_autocast():
             pipe.step(*((x,) if first else ()), **kwargs)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -255,6 +255,49 @@ def _figure_communication(rows: list[tuple[str, dict[str, Any]]], path: Path) ->
     plt.close(fig)
 
 
+def _parameters(model: dict[str, Any]) -> int:
+    """Parameters of the example network at ``model``'s sizes (built on the meta device: no memory, no time)."""
+    import torch
+
+    from examples.nanogpt import GPT, GPTConfig
+
+    fields = {k: v for k, v in model.items() if k in GPTConfig.__dataclass_fields__}
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(GPTConfig(**fields)).parameters())
+
+
+def gpu_lines(results: dict[str, Any]) -> list[str]:
+    """GPU runs: tokens/s per GPU, MFU and peak memory of both contestants of every comparison."""
+    from benchmarks.gpu_smoke import flops_per_token
+
+    m, peak = results["machine"], results["machine"].get("peak_flops")
+    lines = [
+        "### Tokens/s per GPU, MFU and peak memory",
+        "",
+        f"{m.get('gpus')} x {m.get('gpu')}, NCCL, bf16-mixed for every contestant. MFU: model FLOPs per token"
+        " (6 x parameters + attention, `benchmarks/gpu_smoke.py`) x tokens/s per GPU / the GPU's dense bf16 peak"
+        + (f" ({peak / 1e12:.0f} TFLOP/s)." if peak else " (unknown for this GPU: pass `--peak-tflops`)."),
+        "",
+        "| comparison | HybridStrategy tokens/s/GPU | MFU | peak memory | reference tokens/s/GPU | MFU | peak memory |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in results["comparisons"]:
+        s = results["summaries"].get(c["name"], {})
+        if "a_median" not in s:
+            continue
+        model = results["models"][c["model"]]
+        tokens = c["global_batch"] * model["block_size"] / c["world"]
+        per_token = flops_per_token(model, _parameters(model))
+        cells = []
+        for side in ("a", "b"):
+            rate = tokens / s[f"{side}_median"]
+            mfu = f"{rate * per_token / peak * 100:.1f}%" if peak else "-"
+            memory = s.get(f"{side}_peak_memory_bytes")
+            cells += [f"{rate:,.0f}", mfu, f"{memory / 2**30:.2f} GiB" if memory else "-"]
+        lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def section(results: dict[str, Any], figures_dir: Path, causes: dict[str, str]) -> str:
     """The markdown section; writes ``bench_step_time.png`` and ``bench_communication.png`` into ``figures_dir``."""
     comparisons, summaries, records = results["comparisons"], results["summaries"], results["records"]
@@ -264,8 +307,9 @@ def section(results: dict[str, Any], figures_dir: Path, causes: dict[str, str]) 
         SECTION_BEGIN,
         "## Side by side",
         "",
-        "`HybridStrategy` against what a user would pick instead, on the same model, data, global batch and fp32"
-        " precision. Each comparison alternates fresh runs of the two (A B A B ...): a round trains"
+        "`HybridStrategy` against what a user would pick instead, on the same model, data, global batch and"
+        f" {'bf16-mixed' if m.get('device') == 'cuda' else 'fp32'} precision. Each comparison alternates fresh runs"
+        " of the two (A B A B ...): a round trains"
         f" {settings['warmup'] + settings['measured'] + 1} batches, the first {settings['warmup'] + 1} are warm-up,"
         f" and the round's value is the median over the other {settings['measured']} of the slowest rank's time per"
         " step (for the Lightning runs: the end of one batch to the end of the next, so data loading and hooks count;"
@@ -278,7 +322,13 @@ def section(results: dict[str, Any], figures_dir: Path, causes: dict[str, str]) 
         "",
         f"- **Machine**: {m['cores']}-core CPU ({m['cpu']}), {m['os']}; Python {m['python']}, torch {m['torch']},"
         f" Lightning {m['lightning']}, DeepSpeed {m.get('deepspeed') or 'not installed'}, lightning-hybrid"
-        f" {m['lightning_hybrid']}; gloo, 1 thread per process, processes started with `torchrun`."
+        f" {m['lightning_hybrid']}; "
+        + (
+            f"NCCL, one of {m.get('gpus')} x {m.get('gpu')} per process"
+            if m.get("device") == "cuda"
+            else "gloo, 1 thread per process"
+        )
+        + ", processes started with `torchrun`."
         + (
             f" The ranks ran at autogroup nice {m['worker_autogroup_nice']} (`--priority`)."
             if m.get("worker_autogroup_nice") is not None
@@ -325,6 +375,8 @@ def section(results: dict[str, Any], figures_dir: Path, causes: dict[str, str]) 
         "![HybridStrategy step time over the reference's](figures/bench_step_time.png)",
         "",
     ]
+    if m.get("device") == "cuda":
+        lines += gpu_lines(results)
     host = summaries.get("host_overhead")
     host_c = next((c for c in comparisons if c["name"] == "host_overhead"), None)
     if host and "ratio" in host and host_c:

@@ -99,6 +99,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--priority", type=int, default=None, help="autogroup nice of the ranks (Linux, root)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before a group is killed")
     parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA (nccl, one GPU per rank) when at least 2 GPUs are visible, else CPU (gloo)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the GPU's dense bf16 peak for MFU, if benchmarks/gpu_smoke.py does not list it",
+    )
+    parser.add_argument(
         "--render-only",
         type=Path,
         default=None,
@@ -127,7 +139,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     page = (out_dir / "benchmarks.md") if out_dir else ROOT / "docs" / "benchmarks.md"
     results_dir.mkdir(parents=True, exist_ok=True)
 
-    selected = compare.comparisons()
+    device = _device(args.device)
+    selected = compare.comparisons(device)
     if args.only:
         names = set(args.only.split(","))
         unknown = names - {c["name"] for c in selected}
@@ -142,9 +155,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.skip_deepspeed or deepspeed is None:
         if deepspeed is None:
             print("deepspeed is not installed (pip install -e '.[bench]'): its comparisons are left out", flush=True)
-        selected = [c for c in selected if c["b"]["kind"] != "deepspeed"]
+        selected = [c for c in selected if c["b"]["kind"] not in ("deepspeed", "lightning_deepspeed")]
+    if device == "cuda":
+        import torch
 
-    machine = {**_machine(), "deepspeed": deepspeed, "worker_autogroup_nice": args.priority}
+        gpus = torch.cuda.device_count()
+        too_big = sorted({c["world"] for c in selected if c["world"] > gpus})
+        if too_big:
+            print(f"{gpus} GPUs visible: the groups of {too_big} processes (one GPU each) are left out", flush=True)
+        selected = [c for c in selected if c["world"] <= gpus]
+
+    machine = {**_machine(), "deepspeed": deepspeed, "worker_autogroup_nice": args.priority, "device": device}
+    if device == "cuda":
+        import torch
+
+        from benchmarks.gpu_smoke import peak_flops
+
+        name = torch.cuda.get_device_name(0)
+        machine.update(gpu=name, gpus=torch.cuda.device_count(), peak_flops=peak_flops(name, args.peak_tflops))
     records: dict[str, dict[str, Any]] = {}
     other_load: dict[str, Optional[float]] = {}
     for group in compare.GROUPS:
@@ -154,18 +182,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         timeout = args.timeout or (300.0 if args.smoke else 1200.0)
         with _OtherLoad() as load:
             records.update(compare.launch_group(group, chosen, smoke=args.smoke, timeout=timeout,
-                                                priority=args.priority, **{k: settings[k] for k in REAL}))  # fmt: skip
+                                                priority=args.priority, device=device,
+                                                **{k: settings[k] for k in REAL}))  # fmt: skip
         other_load[f"{chosen[0]['world']} processes"] = load.share
     summaries = {c["name"]: compare.summarise(c, records.get(c["name"], {"error": "not run"})) for c in selected}
     command = (
         "python -m benchmarks.run_all"
         + (" --smoke" if args.smoke else "")
+        + (" --device cuda" if device == "cuda" else "")
         + (f" --priority {args.priority}" if args.priority is not None else "")
     )
     results = {
         "benchmark": "side_by_side", "smoke": args.smoke, "command": command, "machine": machine,
         "settings": settings, "other_load": other_load,
-        "models": compare.SMOKE_MODELS if args.smoke else compare.MODELS,
+        "models": compare.models_for(smoke=args.smoke, device=device),
         "comparisons": selected, "summaries": summaries, "records": records,
         "wall_seconds": time.perf_counter() - begin,
     }  # fmt: skip
@@ -195,6 +225,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"failed comparisons: {failed}", file=sys.stderr)
     print(f"all done in {time.perf_counter() - begin:.0f} s")
     return 0 if bubble_ok and not failed else 1
+
+
+def _device(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+    except Exception:
+        return "cpu"
 
 
 def _tuple_keys(record: dict[str, Any]) -> dict[str, Any]:

@@ -66,8 +66,9 @@ def test_side_by_side_smoke(tmp_path: Path) -> None:
 
     results = json.loads((tmp_path / "side_by_side.json").read_text())
     names = {c["name"] for c in results["comparisons"]}
-    has_deepspeed = results["machine"]["deepspeed"] is not None
-    assert names == set(SMOKE_COMPARISONS) - (set() if has_deepspeed else {"dp2_zero2"})
+    # DeepSpeed is in the test extra: without it its comparison would silently drop out
+    assert results["machine"]["deepspeed"] is not None, "deepspeed is not installed (pip install -e '.[test]')"
+    assert names == set(SMOKE_COMPARISONS)
     for name in names:
         summary = results["summaries"][name]
         assert "error" not in summary, (name, summary)
@@ -97,3 +98,35 @@ def test_side_by_side_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "bench_step_time.png").stat().st_size > 0
     assert (tmp_path / "bench_communication.png").stat().st_size > 0
     assert str(tmp_path) in proc.stdout  # nothing went into the repository
+
+
+def test_gpu_side_of_the_benchmarks_without_a_gpu() -> None:
+    """What can be checked of the CUDA path here: on GPUs the DeepSpeed references become Lightning's
+    DeepSpeedStrategy, ZeRO-3 is also compared with FSDPStrategy, models grow to GPT-2 small width, and the report
+    gains tokens/s per GPU, MFU and peak memory."""
+    from benchmarks import compare, report
+
+    cpu = {c["name"]: c for c in compare.comparisons("cpu")}
+    gpu = {c["name"]: c for c in compare.comparisons("cuda")}
+    assert set(gpu) == set(cpu) | {"dp2_zero3_fsdp1"}
+    assert gpu["dp2_zero1"]["b"] == {"kind": "lightning_deepspeed", "zero_stage": 1}
+    assert gpu["dp2_zero2"]["b"] == {"kind": "lightning_deepspeed", "zero_stage": 2}
+    assert gpu["dp2_zero3_fsdp1"]["b"] == {"kind": "lightning_fsdp"} and cpu["dp2_zero1"]["b"]["kind"] == "deepspeed"
+    assert compare.models_for(smoke=False, device="cuda")["dense"]["n_embd"] == 768
+
+    models = compare.models_for(smoke=False, device="cuda")
+    comparison = gpu["dp2_zero0"]
+    step = 0.5  # seconds: 16 sequences of 1024 tokens over 2 GPUs -> 16384 tokens/s per GPU
+    results = {
+        "machine": {"device": "cuda", "gpu": "NVIDIA H200", "gpus": 2, "peak_flops": 989e12},
+        "models": models, "comparisons": [comparison],
+        "summaries": {"dp2_zero0": {"a_median": step, "b_median": 2 * step, "a_peak_memory_bytes": 2**31}},
+    }  # fmt: skip
+    row = next(line for line in report.gpu_lines(results) if line.startswith("| dp2_zero0 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "16,384" and cells[4] == "8,192", cells
+    parameters = report._parameters(models["dense"])
+    from benchmarks.gpu_smoke import flops_per_token
+
+    assert cells[2] == f"{16384 * flops_per_token(models['dense'], parameters) / 989e12 * 100:.1f}%", cells
+    assert cells[3] == "2.00 GiB" and cells[6] == "-", cells
