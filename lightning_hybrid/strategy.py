@@ -102,6 +102,11 @@ class HybridStrategy(ParallelStrategy):
         zero3_gradient_sync: ZeRO-3 under pipeline parallel: ``"per_step"`` keeps each stage's gradients unsharded
             across micro-batches and reduce-scatters once per step (more memory, less communication);
             ``"per_microbatch"`` reduce-scatters and frees them after every micro-batch's backward.
+        overlap_grad_reduce: at ``zero_stage=0`` without pipeline parallel (and without a ``-true`` precision's master
+            weights), average the gradients over the data-parallel replicas in buckets during the step's last
+            backward pass, overlapping communication with backward as DDP does; ``False``: one all-reduce of all
+            gradients after backward.
+        bucket_cap_mb: size of those buckets in MiB (DDP's ``bucket_cap_mb``; the first bucket is at most 1 MiB).
         track_gradient_norm: take the global gradient norm (before clipping) every step into
             ``strategy.last_gradient_norm`` (one pass over the gradients and a scalar all-reduce). Clipping by norm
             takes it anyway; :class:`~lightning_hybrid.monitoring.HybridMonitor` turns this on.
@@ -141,6 +146,8 @@ class HybridStrategy(ParallelStrategy):
         pipeline_partition: Union[str, list[int]] = "uniform",
         pipeline_network: Optional[str] = None,
         zero3_gradient_sync: Literal["per_step", "per_microbatch"] = "per_step",
+        overlap_grad_reduce: bool = True,
+        bucket_cap_mb: float = 25.0,
         track_gradient_norm: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -188,6 +195,11 @@ class HybridStrategy(ParallelStrategy):
                 f"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch', got {zero3_gradient_sync!r}."
             )
         self._zero3_gradient_sync = zero3_gradient_sync
+        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+            raise HybridConfigError(f"`bucket_cap_mb` must be a positive number of MiB, got {bucket_cap_mb!r}.")
+        self._overlap_grad_reduce = overlap_grad_reduce
+        self._bucket_cap_mb = float(bucket_cap_mb)
+        self._backward_sync_blocked = False
         self.track_gradient_norm = track_gradient_norm
         """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor turns it on."""
         self._activation_checkpointing = activation_checkpointing
@@ -529,10 +541,21 @@ class HybridStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         stage = self.layout.zero_stage
+        # the pipeline's schedule runs every micro-batch's backward inside training_step and stashes gradients
+        # itself (pipeline/runner.py): it keeps the reduction after the last backward
+        overlap = self._overlap_grad_reduce and self.layout.pipeline_parallel_size == 1
+        bucket_cap_mb = self._bucket_cap_mb if overlap else None
+        for z in self._sharded_optimizers:  # a second fit on the same strategy: the old buckets stop listening
+            if z.buckets is not None:
+                z.buckets.remove_hooks()
         self._sharded_optimizers = (
             [
                 ShardedOptimizer(
-                    opt, stage=stage, dp_mesh=self.device_mesh["data"], master_dtype=self.precision_plugin.master_dtype
+                    opt,
+                    stage=stage,
+                    dp_mesh=self.device_mesh["data"],
+                    master_dtype=self.precision_plugin.master_dtype,
+                    bucket_cap_mb=bucket_cap_mb,
                 )
                 for opt in self.optimizers
             ]
@@ -613,6 +636,22 @@ class HybridStrategy(ParallelStrategy):
         with self._loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """DDP's ``no_sync``: Lightning runs the backward passes of gradient-accumulation batches inside this, so they
+        only add into the gradient buckets; the step's last backward pass (inside ``optimizer_step``) reduces them."""
+        blocked, self._backward_sync_blocked = self._backward_sync_blocked, True
+        try:
+            yield None
+        finally:
+            self._backward_sync_blocked = blocked
+
+    @property
+    def gradient_buckets(self) -> list[list[dict[str, int]]]:
+        """Per optimizer, per gradient bucket (``overlap_grad_reduce``): parameters, bytes, all-reduces started and
+        how many of them started during backward (empty lists where the gradients are not bucketed)."""
+        return [z.buckets.stats() if z.buckets is not None else [] for z in self._sharded_optimizers]
+
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         sharded = self._sharded_for(optimizer)
@@ -621,6 +660,9 @@ class HybridStrategy(ParallelStrategy):
         def closure_then_reduce() -> Any:
             # order on the gradients the optimizer steps on: reduce, unscale (fp16), agree on overflow world-wide,
             # global norm; Lightning's hooks and clipping follow, then the step (skipped on every rank on overflow)
+            buckets = sharded.buckets if sharded is not None else None
+            if buckets is not None and not self._backward_sync_blocked:
+                buckets.arm()  # this closure's backward pass is the step's last: reduce buckets as it goes
             result = closure()
             self.reduce_gradients(sharded)
             assert self._gradient_norm is not None
@@ -700,11 +742,17 @@ class HybridStrategy(ParallelStrategy):
         """
         for z in self._sharded_optimizers:
             z.fold_gradients()  # fp32 accumulation of low-precision gradients, before any reduction reads them
+        bucketed = sharded is not None and sharded.buckets is not None
+        if bucketed:
+            # the data-parallel average runs in buckets during backward: let it finish before the tensor-parallel
+            # sync reads and writes the same gradients (both are sums over different mesh dimensions, so they
+            # commute)
+            sharded.reduce_gradients()
         if self._tied_sync is not None:
             self._tied_sync()
         if self._gradient_sync is not None:
             self._gradient_sync()
-        if sharded is not None:
+        if sharded is not None and not bucketed:
             sharded.reduce_gradients()
 
     def full_gradients(self) -> dict[str, Tensor]:

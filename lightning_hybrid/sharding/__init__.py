@@ -1,9 +1,17 @@
 """ZeRO sharding over the data-parallel dimension, and the per-rank model-state report."""
 
 from lightning_hybrid.sharding.memory import expected_model_state_bytes, measure_model_state_bytes
-from lightning_hybrid.sharding.zero import GradientSync, ShardedOptimizer, apply_fully_shard, local_grad, local_tensor
+from lightning_hybrid.sharding.zero import (
+    GradientBuckets,
+    GradientSync,
+    ShardedOptimizer,
+    apply_fully_shard,
+    local_grad,
+    local_tensor,
+)
 
 __all__ = [
+    "GradientBuckets",
     "GradientSync",
     "ShardedOptimizer",
     "apply_fully_shard",
