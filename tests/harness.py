@@ -43,6 +43,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
 
     module = build_precision_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
     if module is None:
+        from tests.bucket_models import build_bucket_module
+
+        module = build_bucket_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
+    if module is None:
         raise ValueError(model)
     return module
 

@@ -17,6 +17,7 @@ from tests.harness import run_reference
 STEPS = 10
 BATCH = 4
 TOL = 1e-5
+BUCKET_MB = 0.01  # gradient buckets of ~10 KB: several per model in the bucket scenarios
 # nanoGPT without biases: the key bias has an exactly zero gradient (softmax is shift-invariant per query), so Adam
 # turns rounding noise there into full-size steps and any change of summation order, even DDP's, shows up at 1e-4.
 MODELS = {"nanogpt": {"bias": False}, "llama": {}}
@@ -72,7 +73,14 @@ WORLD2 = [
         1,
         expect_error=True,
     ),  # fmt: skip
-]
+    # ZeRO-0 gradient buckets overlapped with backward: ~10 KB buckets (about a dozen for this model), two batches
+    # accumulated per step (the first backward must only add into the buckets, the second reduces them)
+    scenario("nanogpt-dp2-zero0-buckets-accum", "nanogpt", {"zero_stage": 0, "bucket_cap_mb": BUCKET_MB}, 2,
+             trainer={"accumulate_grad_batches": 2}),
+    # a parameter used on data rank 0 only and one used nowhere (tests/bucket_models.py)
+    {**scenario("nanogpt-dp2-zero0-buckets-unused", "nanogpt", {"zero_stage": 0, "bucket_cap_mb": BUCKET_MB}, 2,
+                trainer={"accumulate_grad_batches": 2}), "model": "nanogpt_unused"},
+]  # fmt: skip
 WORLD4 = [
     *[
         scenario(f"{m}-tp2-dp2-zero{z}", m, {"tensor_parallel_size": 2, "zero_stage": z}, 2)
@@ -90,7 +98,11 @@ WORLD4 = [
         )  # fmt: skip
         for z in (3, 0)
     ],
-]
+    # buckets of DTensor (tensor-parallel) gradients, with accumulation
+    scenario("nanogpt-tp2-dp2-zero0-buckets-accum", "nanogpt",
+             {"tensor_parallel_size": 2, "zero_stage": 0, "bucket_cap_mb": BUCKET_MB}, 2,
+             trainer={"accumulate_grad_batches": 2}),
+]  # fmt: skip
 PARITY = [s for s in WORLD2 + WORLD4 if not s.get("expect_error")]
 
 
@@ -135,18 +147,21 @@ def reference_for(scenario: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("scenario", PARITY, ids=[s["name"] for s in PARITY])
 def test_parity_with_single_process(request: pytest.FixtureRequest, scenario: dict[str, Any]) -> None:
     result, reference = _result_and_reference(request, scenario)
-    assert_parity(result, reference)
+    assert_parity(result, reference, batches_per_step=scenario.get("trainer", {}).get("accumulate_grad_batches", 1))
 
 
-def assert_parity(result: dict[str, Any], reference: dict[str, Any], tied: dict[str, str] | None = None) -> None:
-    """Per-step loss, final parameters and first-step gradients within TOL of the single-process run.
+def assert_parity(
+    result: dict[str, Any], reference: dict[str, Any], tied: dict[str, str] | None = None, batches_per_step: int = 1
+) -> None:
+    """Per-batch loss, final parameters and first-step gradients within TOL of the single-process run.
 
     ``tied`` maps a name that exists only in the parallel run (a tied weight's second copy on another pipeline
-    stage) to the name of the weight it must still equal."""
+    stage) to the name of the weight it must still equal. ``batches_per_step``: Lightning's accumulate_grad_batches
+    (one loss per batch)."""
     for extra, partner in (tied or {}).items():
         assert relative_error(result["params"].pop(extra), reference["params"][partner]) <= TOL, f"{extra} untied"
         result["grads"].pop(extra, None)
-    assert len(result["losses"]) == len(reference["losses"]) == STEPS
+    assert len(result["losses"]) == len(reference["losses"]) == STEPS * batches_per_step
     if reference.get("norms") and result.get("norms"):
         # the global gradient norm used for clipping, each step, equals the single-device norm
         assert len(result["norms"]) == len(reference["norms"]) == STEPS
@@ -230,3 +245,28 @@ def test_bad_configuration_raises_on_every_rank(group2, name: str, match: str) -
     assert len(messages) == 2, f"expected the error on both ranks, got {messages}\n{group2.log[-3000:]}"
     for message in messages:
         assert message.startswith("HybridConfigError") and re.search(match, message), message
+
+
+BUCKETED = [s for s in WORLD2 + WORLD4 if "-buckets-" in s["name"]]
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("scenario", BUCKETED, ids=[s["name"] for s in BUCKETED])
+def test_gradient_buckets_reduce_during_backward(request: pytest.FixtureRequest, scenario: dict[str, Any]) -> None:
+    """Parity is checked above; here: several buckets, each all-reduced exactly once per optimizer step (never for
+    an accumulation batch), and some of them started from a gradient hook while backward was still running."""
+    result, _ = _result_and_reference(request, scenario)
+    started_in_backward = []
+    for rank, record in enumerate(result["per_rank"]):
+        (buckets,) = record["gradient_buckets"]  # one optimizer
+        assert len(buckets) >= 4, f"rank {rank}: {buckets}"
+        assert all(b["launches"] == STEPS for b in buckets), f"rank {rank}: {buckets}"
+        # the last layers' gradients come first in backward: their bucket completes and starts at once every step
+        assert buckets[0]["in_backward"] == STEPS, f"rank {rank}: {buckets}"
+        started_in_backward.append([b["in_backward"] for b in buckets])
+    if scenario["model"] == "nanogpt_unused":
+        # `unused` (in model.h[0]) never reports, so its bucket and every later one start when backward ends, on
+        # every rank; `gated` (model.h[1]) reports on rank 0 only, so rank 1 starts fewer buckets early, and rank 0's
+        # early ones match rank 1's late ones (the losses above would hang or differ otherwise)
+        assert all(counts[-1] == 0 for counts in started_in_backward), started_in_backward
+        assert sum(started_in_backward[0]) > sum(started_in_backward[1]), started_in_backward

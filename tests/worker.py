@@ -134,6 +134,7 @@ def run(scenario: dict, out_dir: Path) -> None:
             "model_state": recorder.model_state[-1] if recorder.model_state else {},
             "local_numel": result["local_numel"],
             "sampler": result["sampler"],
+            "gradient_buckets": strategy.gradient_buckets,
         },
     )
     result["per_rank"] = gathered
