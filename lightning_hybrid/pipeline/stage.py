@@ -15,12 +15,13 @@ forward tolerates missing modules (torchtitan writes its models that way).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_hybrid._hooks import first_tensor, map_first_input
 from lightning_hybrid.config import HybridConfigError
@@ -91,6 +92,12 @@ class NetworkSplit:
     pipeline_rank: int
     input_slots: list[_Slot] = field(default_factory=list)
     output_slots: list[_Slot] = field(default_factory=list)
+    # what `active` needs per stage, built on first use (a forward action is per micro-batch: keep it cheap)
+    _current: Optional[tuple[int, Optional[torch.Tensor]]] = field(default=None, init=False, repr=False)
+    _swaps: dict[int, list[tuple[dict, str, nn.Module]]] = field(default_factory=dict, init=False, repr=False)
+    _hooks: dict[tuple[bool, int], tuple[nn.Module, RemovableHandle]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @property
     def num_stages(self) -> int:
@@ -112,38 +119,75 @@ class NetworkSplit:
     def active(self, stage: int, received: Optional[torch.Tensor]) -> Generator[None, None, None]:
         """While the network's forward runs for ``stage``: only its blocks compute; a non-first stage takes
         ``received`` as the first block's hidden state; a non-last stage stops after its last block."""
+        swaps = self._swaps.get(stage)
+        if swaps is None:
+            swaps = self._swaps[stage] = self._stage_swaps(stage)
         own = self.plan.blocks(stage)
-        with ExitStack() as stack:
-            for s in self.local_stages():
-                if s == stage:
-                    continue
-                for i in self.plan.blocks(s):  # other chunks on this rank (interleaved) pass through for now
-                    stack.enter_context(_swap(self.blocks, str(i), SkippedBlock()))
-            if stage != 0:
-                for slot in self.input_slots:  # the first stage lives on this rank too (v-shaped schedules)
-                    stack.enter_context(_swap(slot.parent, slot.attr, InputStub(slot.module)))
-                first = self.blocks[own.start]
-                handle = first.register_forward_pre_hook(map_first_input(lambda _: received), with_kwargs=True)
-                stack.callback(handle.remove)
-            if stage != self.num_stages - 1:
-                handle = self.blocks[own.stop - 1].register_forward_hook(_raise_boundary)
-                stack.callback(handle.remove)
+        blocks = self.blocks._modules
+        if stage != 0:
+            self._hook(True, stage, blocks[str(own.start)])
+        if stage != self.num_stages - 1:
+            self._hook(False, stage, blocks[str(own.stop - 1)])
+        # read the originals now: activation checkpointing or FSDP may have replaced modules since the first call
+        originals = [table[key] for table, key, _ in swaps]
+        for table, key, replacement in swaps:
+            table[key] = replacement
+        previous, self._current = self._current, (stage, received)
+        try:
             yield
+        finally:
+            self._current = previous
+            for (table, key, _), original in zip(swaps, originals):
+                table[key] = original
+
+    def _stage_swaps(self, stage: int) -> list[tuple[dict, str, nn.Module]]:
+        """Module swaps for ``stage``: other chunks on this rank (interleaved) pass through; off the first stage, the
+        input modules (held here when the first stage lives on this rank too: v-shaped schedules) become stubs.
+        Built once, after set-up: a stub reads its module's dtype when built."""
+        skipped = SkippedBlock()  # stateless: one instance serves every position
+        swaps: list[tuple[dict, str, nn.Module]] = [
+            (self.blocks._modules, str(i), skipped)
+            for s in self.local_stages()
+            if s != stage
+            for i in self.plan.blocks(s)
+        ]
+        if stage != 0:
+            swaps += [(slot.parent._modules, slot.attr, InputStub(slot.module)) for slot in self.input_slots]
+        return swaps
+
+    def _hook(self, first: bool, stage: int, module: nn.Module) -> None:
+        """A permanent hook that acts only while ``stage`` is active: on its first block, substitute the received
+        activation; on its last, stop the forward. Kept the module's last hook, as when it was added per action:
+        other pre-hooks (sequence-parallel re-layout) run before the substitution, other forward hooks before the
+        stop."""
+        entry = self._hooks.get((first, stage))
+        table = module._forward_pre_hooks if first else module._forward_hooks
+        if entry is not None and entry[0] is module and next(reversed(table), None) == entry[1].id:
+            return
+        if entry is not None:
+            entry[1].remove()
+        if first:
+            substitute = map_first_input(lambda _: self._current[1])  # type: ignore[index]
+
+            def receive(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+                current = self._current
+                return substitute(module, args, kwargs) if current is not None and current[0] == stage else None
+
+            handle = module.register_forward_pre_hook(receive, with_kwargs=True)
+        else:
+
+            def boundary(module: nn.Module, args: Any, output: Any) -> None:
+                current = self._current
+                if current is not None and current[0] == stage:
+                    _raise_boundary(module, args, output)
+
+            handle = module.register_forward_hook(boundary)
+        self._hooks[(first, stage)] = (module, handle)
 
 
 def _raise_boundary(module: nn.Module, args: Any, output: Any) -> None:
     tensor = output if isinstance(output, torch.Tensor) else output[0]
     raise StageBoundary(tensor)
-
-
-@contextmanager
-def _swap(parent: nn.Module, attr: str, replacement: nn.Module) -> Generator[None, None, None]:
-    original = parent._modules[attr]
-    parent._modules[attr] = replacement
-    try:
-        yield
-    finally:
-        parent._modules[attr] = original
 
 
 def _slots(network: nn.Module, blocks_rel: str) -> tuple[list[_Slot], list[_Slot]]:
