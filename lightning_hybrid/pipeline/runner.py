@@ -5,6 +5,10 @@ the network's inputs per micro-batch (cheap: nothing is computed); run torch's s
 the last stage, each micro-batch runs the rest of the user's step (loss, ``self.log``) on the stage's output; the
 step's loss and logged values are then sent to every stage, so Lightning, callbacks and loggers see the real values
 on every rank and nothing waits for a rank that never logs.
+
+The per-step and per-micro-batch work here is on the host's critical path (a pipeline step is many short actions):
+training results travel as one small tensor once the logged names are known (:class:`_Schema`), the stage swaps are
+built once (``NetworkSplit.active``), and only the micro-batches a rank's stages use are captured.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ def to_plain(t: DTensor) -> Tensor:
     if all(p.is_replicate() for p in t.placements):
         return t.to_local()
     return t.full_tensor()
+
+
+_LogRecord = tuple[str, Any, tuple, dict]
 
 
 class _Captured(Exception):
@@ -113,7 +120,13 @@ class PipelineRunner:
             s: wrap_stage(StageModule(s, split.stage_modules(s), self._run_stage)) for s in split.local_stages()
         }
         self.last_stage = split.num_stages - 1
+        # the last stage reruns the user's step: it needs the captured inputs of micro-batch 0 only (schedule key)
+        self._capture_all = any(s != self.last_stage for s in self.stages)
         self._cache: dict[tuple, Any] = {}
+        self._params: Optional[list[nn.Parameter]] = None
+        self._schema: Optional[list[tuple[str, tuple, dict]]] = None
+        """Names, args and kwargs of the last training step's logged records when all were scalars: the next step's
+        records then travel as one tensor. The same on every rank (learned from the object broadcast)."""
         self._step: Optional[_Step] = None
         self._stashed: list[tuple[nn.Parameter, Tensor]] = []
         self.timeline = StepTimeline(rank=dist.get_rank())
@@ -130,7 +143,7 @@ class PipelineRunner:
         size = batch_size_of(batch)
         m = self.num_microbatches if training else _largest_divisor(size or 1, self.num_microbatches)
         microbatches = split_batch(batch, m)
-        captured = [self._capture(mode, mb, extra) for mb in microbatches]
+        captured = [self._capture(mode, mb, extra) for mb in (microbatches if self._capture_all else microbatches[:1])]
         step = _Step(mode, microbatches, extra, captured, {s: 0 for s in self.stages})
         step.records = [[] for _ in range(m)]
         schedule = self._schedule(training, m, captured[0])
@@ -157,35 +170,45 @@ class PipelineRunner:
         return self._share_results(step, training)
 
     def restore_gradients(self) -> None:
-        """Give back the gradients the schedule produced (see ``_stash_gradients``), adding to any already there."""
+        """Give back the gradients the schedule produced (see ``_take_gradients``), adding to any already there."""
         for p, g in self._stashed:
             p.grad = g if p.grad is None else p.grad + g
         self._stashed = []
 
     # ------------------------------------------------------------------ capture and stage execution
+    # the instance dicts are written directly: ``nn.Module.__setattr__`` checks parameters, buffers and submodules on
+    # every call, twice per micro-batch here, for plain function attributes
     @contextmanager
     def _network_replaced(self, fn: Callable) -> Generator[None, None, None]:
-        self.network.forward = fn  # type: ignore[method-assign]
+        attrs = self.network.__dict__
+        attrs["forward"] = fn
         try:
             yield
         finally:
-            del self.network.forward
+            del attrs["forward"]
 
     @contextmanager
     def _log_to(self, sink: Optional[list]) -> Generator[None, None, None]:
-        outer = self.module.log
+        attrs = self.module.__dict__
+        outer = attrs.get("log", _MISSING)
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if sink is not None:
-                value = apply_to_collection(value, DTensor, to_plain)
-                value = apply_to_collection(value, Tensor, lambda t: t.detach().clone())
+                if isinstance(value, Tensor):  # the common case, without apply_to_collection's walk
+                    value = (to_plain(value) if isinstance(value, DTensor) else value).detach().clone()
+                else:
+                    value = apply_to_collection(value, DTensor, to_plain)
+                    value = apply_to_collection(value, Tensor, lambda t: t.detach().clone())
                 sink.append((name, value, args, kwargs))
 
-        self.module.log = log  # type: ignore[method-assign]
+        attrs["log"] = log
         try:
             yield
         finally:
-            self.module.log = outer  # type: ignore[method-assign]
+            if outer is _MISSING:
+                del attrs["log"]
+            else:
+                attrs["log"] = outer
 
     def _capture(self, mode: str, microbatch: Any, extra: tuple) -> tuple[tuple, dict]:
         def grab(*args: Any, **kwargs: Any) -> None:
@@ -217,7 +240,8 @@ class PipelineRunner:
 
         with self._network_replaced(network_call), self._log_to(step.records[mb]):
             out = getattr(self.module, step.mode)(step.microbatches[mb], *step.extra)
-        out = apply_to_collection(out, DTensor, to_plain)
+        if isinstance(out, DTensor) or not isinstance(out, Tensor):
+            out = apply_to_collection(out, DTensor, to_plain)
         if step.mode != "training_step":
             step.outputs.append(apply_to_collection(out, Tensor, lambda t: t.detach()))
             return torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -331,27 +355,108 @@ class PipelineRunner:
         ``backward``, but the schedule runs the backward inside the step: the step's gradients are held aside until
         ``backward`` (``restore_gradients``), and gradients from before the step are kept out of the schedule's
         accumulation (FSDP2 and autograd both add to an existing ``.grad``)."""
-        taken = [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
+        params = self._params
+        if params is None:  # walking the module tree twice a step costs more than the moves
+            params = self._params = list(self.module.parameters())
+        taken = [(p, p.grad) for p in params if p.grad is not None]
         for p, _ in taken:
             p.grad = None
         return taken
 
     def _share_results(self, step: _Step, training: bool) -> Any:
+        group = self.pp_mesh.get_group()
+        last = self.last_stage in self.stages
+        if training and self._schema is not None:
+            # one tensor broadcast: [schema matches, loss, logged means...]; a 0 flag sends everyone to the object
+            # path below, so every rank takes the same path
+            k = len(self._schema)
+            matches = False
+            if last:
+                means = _scalar_means(step.records, self._schema, self.device)
+                matches = means is not None
+                flag = (torch.ones if matches else torch.zeros)((), dtype=torch.float64, device=self.device)
+                loss = torch.stack(step.losses).mean().reshape(()).to(torch.float64)
+                packed = torch.stack([flag, loss, *(means or [])])
+                if not matches:
+                    packed = torch.cat([packed, packed.new_zeros(k)])
+            else:
+                packed = torch.empty(2 + k, dtype=torch.float64, device=self.device)
+            dist.broadcast(packed, src=self._last_global_rank, group=group)
+            if not last:
+                matches = bool(packed[0].item())  # the step's one host read off the last stage
+            if matches:
+                values = packed.to(_log_dtype())
+                for (name, args, kwargs), value in zip(self._schema, values[2:]):
+                    self.module.log(name, value, *args, **kwargs)
+                return packed[1].to(torch.get_default_dtype())
         payload: list[Any] = [None]
-        if self.last_stage in self.stages:
+        if last:
             payload[0] = {
                 "loss": torch.stack(step.losses).mean().item() if training else None,
                 "records": _merge_records(step.records),
                 "outputs": None if training else _to_cpu(merge_microbatches(step.outputs)) if step.outputs else None,
             }
-        dist.broadcast_object_list(payload, src=self._last_global_rank, group=self.pp_mesh.get_group())
+        dist.broadcast_object_list(payload, src=self._last_global_rank, group=group)
         result = payload[0]
         for name, value, args, kwargs in result["records"]:
             self.module.log(name, value, *args, **kwargs)
         if training:
+            records = result["records"]
+            scalars = all(isinstance(value, float) for _, value, _, _ in records)
+            self._schema = [(name, args, kwargs) for name, _, args, kwargs in records] if scalars else None
             return torch.tensor(result["loss"], device=self.device)
         outputs = result["outputs"]
         return apply_to_collection(outputs, Tensor, lambda t: t.to(self.device)) if outputs is not None else None
+
+
+_MISSING = object()
+
+
+def _log_dtype() -> torch.dtype:
+    """The dtype ``LightningModule.log`` gives a Python number (the object path logs floats)."""
+    dtype = torch.get_default_dtype()
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # e.g. a tensor among the kwargs: no single truth value
+        return False
+
+
+def _scalar_means(
+    per_microbatch: list[list[_LogRecord]], schema: list[tuple[str, tuple, dict]], device: torch.device
+) -> Optional[list[Tensor]]:
+    """The micro-batch means of the logged values as float64 tensors on ``device`` (no host sync), in the schema's
+    order; None when the records do not fit the schema (other names, order or arguments, or a value that is not a
+    number), as ``_merge_records`` would merge them."""
+    merged: dict[str, tuple[list[Any], tuple, dict]] = {}
+    for records in per_microbatch:
+        for name, value, args, kwargs in records:
+            entry = merged.get(name)
+            if entry is None:
+                merged[name] = ([value], args, kwargs)
+            else:
+                entry[0].append(value)
+    if len(merged) != len(schema):
+        return None
+    means = []
+    for (name, args, kwargs), (merged_name, (values, merged_args, merged_kwargs)) in zip(schema, merged.items()):
+        if name != merged_name or not _same(args, merged_args) or not _same(kwargs, merged_kwargs):
+            return None
+        column = []
+        for v in values:
+            if isinstance(v, Tensor):
+                if v.numel() != 1 or v.is_complex():
+                    return None
+                column.append(v.reshape(1).to(device=device, dtype=torch.float64))
+            elif isinstance(v, (float, int)) and not isinstance(v, bool):
+                column.append(torch.tensor([float(v)], dtype=torch.float64, device=device))
+            else:
+                return None
+        means.append((torch.cat(column).sum() / len(column)) if len(column) > 1 else column[0].reshape(()))
+    return means
 
 
 def _tensors(obj: Any) -> list[Tensor]:
