@@ -259,6 +259,8 @@ def test_lightning_callbacks_under_pipeline_and_data_parallel(pipeline_groups) -
     assert len(result["losses"]) == 6
     metrics = result["callback_metrics"]
     assert "val_loss" in metrics and 0 < metrics["val_loss"] < 10, metrics
+    # rank 0 holds the first stage: its train_loss came from the last stage (as one tensor after the first step)
+    assert metrics["train_loss"] == pytest.approx(result["losses"][-1], rel=1e-6), metrics
     # validation at steps 3 and 6; save_top_k=1 keeps one monitored checkpoint, plus last.ckpt
     assert "last.ckpt" in result["checkpoints"] and len(result["checkpoints"]) == 2, result["checkpoints"]
     assert len(result["val_history"]) == 2, result["val_history"]
@@ -352,3 +354,62 @@ def test_stage_table_gives_the_heavy_head_stage_fewer_blocks(mode: str) -> None:
     table = plan.format_table("seconds" if mode == "profile" else "params")
     assert plan.counts[-1] < plan.counts[0], f"{mode}: the head's stage should hold fewer blocks\n{table}"
     assert sum(plan.counts) == 8
+
+
+def test_logged_values_travel_as_one_tensor_and_fall_back_when_the_names_change(tmp_path, monkeypatch) -> None:
+    """In one process (a one-stage pipeline, no launch): the first step sends the logged records as objects and
+    caches their names; later steps send [flag, loss, values] as one tensor; a step that logs a new name, or a value
+    that is not a number, goes back to the objects for that step. Every path logs the micro-batch means."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples.nanogpt import NanoGPT
+    from lightning_hybrid.pipeline import PipelineRunner, split_network
+
+    class Logging(NanoGPT):
+        logs = "a"
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = self._loss(batch)
+            self.log("a", loss, sync_dist=True)
+            if "b" in self.logs:
+                self.log("b", batch[0].float().mean(), prog_bar=True)
+            if "c" in self.logs:
+                self.log("c", "not a number")
+            return loss
+
+    object_sends = []
+    send = dist.broadcast_object_list
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda *a, **k: (object_sends.append(1), send(*a, **k))[1])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        module = Logging(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+        logged: list[tuple[str, Any, tuple, dict]] = []
+        module.log = lambda name, value, *args, **kwargs: logged.append((name, value, args, kwargs))
+        split = split_network(module.model, "h", partition_blocks(2, 1), 0)
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("pipeline",))
+        runner = PipelineRunner(module, module.model, split, mesh["pipeline"], torch.device("cpu"),
+                                schedule="1f1b", num_microbatches=2, activation_shape=lambda s: s)  # fmt: skip
+        x, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+        # (names logged, object broadcast expected)
+        steps = [("a", True), ("a", False), ("ab", True), ("ab", False), ("abc", True), ("ab", True), ("ab", False)]
+        for i, (names, by_objects) in enumerate(steps):
+            module.logs, logged[:], object_sends[:] = names, [], []
+            loss = runner.run("training_step", (x, y), i)
+            runner.restore_gradients()
+            assert bool(object_sends) == by_objects, (i, names)
+            assert [r[0] for r in logged] == list(names), logged
+            values = {name: value for name, value, _, _ in logged}
+            assert loss.dtype == torch.float32 and float(values["a"]) == pytest.approx(float(loss), rel=1e-6)
+            if "b" in names:
+                assert float(values["b"]) == pytest.approx(float(x.float().mean()), rel=1e-6)
+                assert logged[1][3] == {"prog_bar": True}
+            if "c" in names:
+                assert values["c"] == "not a number"
+            assert logged[0][3] == {"sync_dist": True}
+            if not by_objects:  # tensors as LightningModule.log would make of the floats
+                assert all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values.values())
+    finally:
+        dist.destroy_process_group()
