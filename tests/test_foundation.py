@@ -6,6 +6,7 @@ Two process groups are launched (2 and 4 CPU processes) and every scenario of th
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ STEPS = 10
 BATCH = 4
 TOL = 1e-5
 BUCKET_MB = 0.01  # gradient buckets of ~10 KB: several per model in the bucket scenarios
+OVERFLOW_STEPS, OVERFLOW_AT = 5, 2
 # nanoGPT without biases: the key bias has an exactly zero gradient (softmax is shift-invariant per query), so Adam
 # turns rounding noise there into full-size steps and any change of summation order, even DDP's, shows up at 1e-4.
 MODELS = {"nanogpt": {"bias": False}, "llama": {}}
@@ -80,6 +82,11 @@ WORLD2 = [
     # a parameter used on data rank 0 only and one used nowhere (tests/bucket_models.py)
     {**scenario("nanogpt-dp2-zero0-buckets-unused", "nanogpt", {"zero_stage": 0, "bucket_cap_mb": BUCKET_MB}, 2,
                 trainer={"accumulate_grad_batches": 2}), "model": "nanogpt_unused"},
+    # fp16 loss scaling on bucketed gradients: +inf written into rank 1's gradient after backward of step 2
+    {**scenario("nanogpt-dp2-zero0-buckets-overflow", "nanogpt",
+                {"zero_stage": 0, "bucket_cap_mb": BUCKET_MB, "track_gradient_norm": True}, 2, steps=OVERFLOW_STEPS,
+                precision_plugin={"precision": "16-mixed", "hysteresis": 1, "initial_scale": 2.0**10},
+                inject_inf={"step": OVERFLOW_AT, "rank": 1}, probe=True), "model": "nanogpt_scheduled"},
 ]  # fmt: skip
 WORLD4 = [
     *[
@@ -103,7 +110,8 @@ WORLD4 = [
              {"tensor_parallel_size": 2, "zero_stage": 0, "bucket_cap_mb": BUCKET_MB}, 2,
              trainer={"accumulate_grad_batches": 2}),
 ]  # fmt: skip
-PARITY = [s for s in WORLD2 + WORLD4 if not s.get("expect_error")]
+# fp16 runs are not compared with the fp32 single-process run
+PARITY = [s for s in WORLD2 + WORLD4 if not s.get("expect_error") and not s.get("precision_plugin")]
 
 
 share(2, WORLD2)
@@ -260,9 +268,9 @@ def test_gradient_buckets_reduce_during_backward(request: pytest.FixtureRequest,
     for rank, record in enumerate(result["per_rank"]):
         (buckets,) = record["gradient_buckets"]  # one optimizer
         assert len(buckets) >= 4, f"rank {rank}: {buckets}"
-        assert all(b["launches"] == STEPS for b in buckets), f"rank {rank}: {buckets}"
+        assert all(b["launches"] == scenario["steps"] for b in buckets), f"rank {rank}: {buckets}"
         # the last layers' gradients come first in backward: their bucket completes and starts at once every step
-        assert buckets[0]["in_backward"] == STEPS, f"rank {rank}: {buckets}"
+        assert buckets[0]["in_backward"] == scenario["steps"], f"rank {rank}: {buckets}"
         started_in_backward.append([b["in_backward"] for b in buckets])
     if scenario["model"] == "nanogpt_unused":
         # `unused` (in model.h[0]) never reports, so its bucket and every later one start when backward ends, on
@@ -270,3 +278,24 @@ def test_gradient_buckets_reduce_during_backward(request: pytest.FixtureRequest,
         # early ones match rank 1's late ones (the losses above would hang or differ otherwise)
         assert all(counts[-1] == 0 for counts in started_in_backward), started_in_backward
         assert sum(started_in_backward[0]) > sum(started_in_backward[1]), started_in_backward
+
+
+@pytest.mark.timeout(2400)
+def test_overflow_in_bucketed_gradients_skips_the_step_on_every_rank(group2) -> None:
+    """fp16 loss scaling with ZeRO-0 buckets: the overflow written into one rank's (already reduced) gradients is
+    agreed on by both ranks, the step is skipped (parameters and optimizer state unchanged, gradients discarded),
+    the scale halves, and training goes on from fresh gradients."""
+    per_rank = group2.get("nanogpt-dp2-zero0-buckets-overflow")["probe"]
+    assert len(per_rank) == 2
+    k = OVERFLOW_AT
+    for rank, steps in enumerate(per_rank):
+        assert len(steps) == OVERFLOW_STEPS
+        before, skipped, after = steps[k - 1], steps[k], steps[k + 1]
+        assert skipped["params"] == before["params"], f"rank {rank}: parameters changed at the skipped step"
+        assert skipped["optimizer"] == before["optimizer"], f"rank {rank}: optimizer state changed at the skip"
+        assert after["params"] != skipped["params"], f"rank {rank}: parameters did not move after the skip"
+        assert skipped["scale"] == before["scale"] * 0.5 and after["scale"] == skipped["scale"], rank
+        assert [s["skipped"] for s in steps] == [0] * k + [1] * (len(steps) - k), f"rank {rank}: skipped count"
+        assert skipped["grad_norm"] is None and after["grad_norm"] is not None and math.isfinite(after["grad_norm"])
+    # replicas stay identical: same parameters on both ranks after every step
+    assert [s["params"] for s in per_rank[0]] == [s["params"] for s in per_rank[1]]
