@@ -7,8 +7,8 @@ step's loss and logged values are then sent to every stage, so Lightning, callba
 on every rank and nothing waits for a rank that never logs.
 
 The per-step and per-micro-batch work here is on the host's critical path (a pipeline step is many short actions):
-training results travel as one small tensor once the logged names are known (:class:`_Schema`), the stage swaps are
-built once (``NetworkSplit.active``), and only the micro-batches a rank's stages use are captured.
+training results travel as one small tensor once the logged names are known (``_share_results``), the stage swaps
+are built once (``NetworkSplit.active``), and only the micro-batches a rank's stages use are captured.
 """
 
 from __future__ import annotations
