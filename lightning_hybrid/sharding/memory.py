@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import Optional
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_hybrid.sharding.zero import ShardedOptimizer, local_tensor
+from lightning_hybrid.sharding.zero import ShardedOptimizer
 
 __all__ = ["expected_model_state_bytes", "measure_model_state_bytes"]
 
 
 def _nbytes(t: Tensor) -> int:
-    t = local_tensor(t)
+    # a DTensor's local shard, read without DTensor.to_local() (an autograd call per tensor, per measured step)
+    t = t._local_tensor if isinstance(t, DTensor) else t
     return t.numel() * t.element_size()
 
 

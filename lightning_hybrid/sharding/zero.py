@@ -314,13 +314,17 @@ class GradientBuckets:
             b.handle.wait()
             b.handle = None
             b.buffer.div_(self.dp)  # ReduceOp.AVG is nccl-only
-            used = b.used.tolist()
+        # one read of every bucket's flags (a single device-to-host sync on GPUs)
+        used = torch.cat([b.used for b in self.buckets]).tolist()
+        k = 0
+        for b in self.buckets:
             for i, p in enumerate(b.params):
-                if used[i] > 0:
+                if used[k + i] > 0:
                     if p.grad is not b.grads[i]:
                         p.grad = b.grads[i]
                 else:
                     p.grad = None  # no rank produced a gradient: as on one device, the optimizer skips it
+            k += len(b.params)
             b.reported.clear()
         self._next = 0
         self.armed = False
