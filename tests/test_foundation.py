@@ -82,6 +82,9 @@ WORLD2 = [
     # a parameter used on data rank 0 only and one used nowhere (tests/bucket_models.py)
     {**scenario("nanogpt-dp2-zero0-buckets-unused", "nanogpt", {"zero_stage": 0, "bucket_cap_mb": BUCKET_MB}, 2,
                 trainer={"accumulate_grad_batches": 2}), "model": "nanogpt_unused"},
+    # manual optimization: backward outside optimizer_step, so the buckets are all reduced at the step
+    {**scenario("nanogpt-dp2-zero0-buckets-manual", "nanogpt", {"zero_stage": 0, "bucket_cap_mb": BUCKET_MB}, 2),
+     "model": "nanogpt_manual"},
     # fp16 loss scaling on bucketed gradients: +inf written into rank 1's gradient after backward of step 2
     {**scenario("nanogpt-dp2-zero0-buckets-overflow", "nanogpt",
                 {"zero_stage": 0, "bucket_cap_mb": BUCKET_MB, "track_gradient_norm": True}, 2, steps=OVERFLOW_STEPS,
@@ -262,13 +265,18 @@ BUCKETED = [s for s in WORLD2 + WORLD4 if "-buckets-" in s["name"]]
 @pytest.mark.parametrize("scenario", BUCKETED, ids=[s["name"] for s in BUCKETED])
 def test_gradient_buckets_reduce_during_backward(request: pytest.FixtureRequest, scenario: dict[str, Any]) -> None:
     """Parity is checked above; here: several buckets, each all-reduced exactly once per optimizer step (never for
-    an accumulation batch), and some of them started from a gradient hook while backward was still running."""
+    an accumulation batch), and some of them started from a gradient hook while backward was still running
+    (automatic optimization)."""
     result, _ = _result_and_reference(request, scenario)
     started_in_backward = []
     for rank, record in enumerate(result["per_rank"]):
         (buckets,) = record["gradient_buckets"]  # one optimizer
         assert len(buckets) >= 4, f"rank {rank}: {buckets}"
         assert all(b["launches"] == scenario["steps"] for b in buckets), f"rank {rank}: {buckets}"
+        if scenario["model"] == "nanogpt_manual":
+            # manual optimization: backward runs before optimizer.step(), the buckets are reduced in the step
+            assert all(b["in_backward"] == 0 for b in buckets), f"rank {rank}: {buckets}"
+            continue
         # the last layers' gradients come first in backward: their bucket completes and starts at once every step
         assert buckets[0]["in_backward"] == scenario["steps"], f"rank {rank}: {buckets}"
         started_in_backward.append([b["in_backward"] for b in buckets])
