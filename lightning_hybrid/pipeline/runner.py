@@ -123,7 +123,7 @@ class PipelineRunner:
         # the last stage reruns the user's step: it needs the captured inputs of micro-batch 0 only (schedule key)
         self._capture_all = any(s != self.last_stage for s in self.stages)
         self._cache: dict[tuple, Any] = {}
-        self._params: Optional[list[nn.Parameter]] = None
+        self._param_tables: Optional[list[dict[str, Optional[nn.Parameter]]]] = None
         self._schema: Optional[list[tuple[str, tuple, dict]]] = None
         """Names, args and kwargs of the last training step's logged records when all were scalars: the next step's
         records then travel as one tensor. The same on every rank (learned from the object broadcast)."""
@@ -355,10 +355,15 @@ class PipelineRunner:
         ``backward``, but the schedule runs the backward inside the step: the step's gradients are held aside until
         ``backward`` (``restore_gradients``), and gradients from before the step are kept out of the schedule's
         accumulation (FSDP2 and autograd both add to an existing ``.grad``)."""
-        params = self._params
-        if params is None:  # walking the module tree twice a step costs more than the moves
-            params = self._params = list(self.module.parameters())
-        taken = [(p, p.grad) for p in params if p.grad is not None]
+        tables = self._param_tables
+        if tables is None:  # walking the module tree twice a step cost more than the moves
+            tables = self._param_tables = [m._parameters for m in self.module.modules() if m._parameters]
+        taken, seen = [], set()
+        for table in tables:  # what is registered now, as parameters() gives: FSDP2 swaps its (un)sharded tensors in
+            for p in table.values():
+                if p is not None and p.grad is not None and id(p) not in seen:  # tied weights once
+                    seen.add(id(p))
+                    taken.append((p, p.grad))
         for p, _ in taken:
             p.grad = None
         return taken
