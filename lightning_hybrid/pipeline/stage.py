@@ -67,6 +67,20 @@ class InputStub(nn.Module):
         return torch.zeros(shape, dtype=self.dtype, device=x.device)
 
 
+class _LiveInputStub(InputStub):
+    """An input stub for an input module this rank holds (the first stage on the rank of a later one): the output
+    dtype is the module's at each call, as a stub built per forward had (FSDP2 swaps in parameters of another dtype
+    while a module is unsharded)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self.__dict__["held"] = module  # not a submodule: its parameters belong to the first stage
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.dtype = next(self.__dict__["held"].parameters()).dtype
+        return super().forward(x, *args, **kwargs)
+
+
 class OutputStub(nn.Module):
     """Stands in for an output module (norm, head) held by the last stage; never reached, since earlier stages stop
     at their last block."""
@@ -143,7 +157,7 @@ class NetworkSplit:
     def _stage_swaps(self, stage: int) -> list[tuple[dict, str, nn.Module]]:
         """Module swaps for ``stage``: other chunks on this rank (interleaved) pass through; off the first stage, the
         input modules (held here when the first stage lives on this rank too: v-shaped schedules) become stubs.
-        Built once, after set-up: a stub reads its module's dtype when built."""
+        Built once per stage."""
         skipped = SkippedBlock()  # stateless: one instance serves every position
         swaps: list[tuple[dict, str, nn.Module]] = [
             (self.blocks._modules, str(i), skipped)
@@ -152,7 +166,7 @@ class NetworkSplit:
             for i in self.plan.blocks(s)
         ]
         if stage != 0:
-            swaps += [(slot.parent._modules, slot.attr, InputStub(slot.module)) for slot in self.input_slots]
+            swaps += [(slot.parent._modules, slot.attr, _LiveInputStub(slot.module)) for slot in self.input_slots]
         return swaps
 
     def _hook(self, first: bool, stage: int, module: nn.Module) -> None:
