@@ -37,10 +37,10 @@ SMOKE = {"warmup": 0, "measured": 1, "rounds": 1}
 # comparison misses its target in the run; the profile lines under it come from the run itself.
 _PER_STEP = " Profiled per-step costs:"
 CAUSES: dict[str, str] = {
-    "dp2_zero0": "HybridStrategy reduces the gradients in one flat all-reduce after the backward pass (the ZeRO"
-    " reduction in `lightning_hybrid/sharding/zero.py`, called from `HybridStrategy.optimizer_step`), where DDP"
-    " all-reduces 25 MB buckets during the backward pass and so overlaps communication with the backward compute."
-    + _PER_STEP,
+    "dp2_zero0": "Both average the gradients in 25 MB buckets started during the backward pass (HybridStrategy's"
+    " `GradientBuckets` in `lightning_hybrid/sharding/zero.py`, DDP's reducer), so the difference is the work"
+    " around them each step. On 2 shared cores gloo's communication thread competes with the backward compute, and"
+    " the last bucket (the embeddings, whose gradient comes last) cannot overlap in either." + _PER_STEP,
     "dp2_zero1": "DeepSpeed's engine runs without Lightning's loop and logging (the example's `training_step` logs"
     " its loss with `sync_dist=True`, an all-reduce per step)." + _PER_STEP,
     "dp2_zero2": "DeepSpeed's engine runs without Lightning's loop and logging (the example's `training_step` logs"
