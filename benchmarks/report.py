@@ -144,18 +144,20 @@ KNOWN_COSTS: dict[tuple[str, str], str] = {
     ("torch/distributed/device_mesh.py", "__getitem__"): "`HybridStrategy._run_step` slices"
     ' `self.device_mesh["data"]` on every step; in torch 2.13 each slice builds a new sub-mesh'
     " (`_create_sub_mesh`, milliseconds of CPU); slice once in `setup_environment` and keep the sub-meshes",
-    ("lightning_hybrid/pipeline/runner.py", "_share_results"): "`PipelineRunner._share_results` pickles the step's"
-    " loss and logged values on the last stage, `broadcast_object_list`s them to every stage and replays `self.log`"
-    " (Lightning's `log` with `sync_dist`) on every rank; a fixed-size tensor broadcast of the loss and logged"
-    " scalars would avoid the pickling",
-    ("lightning_hybrid/pipeline/runner.py", "_capture"): "`PipelineRunner._capture` runs `training_step` once per"
-    " micro-batch up to the network call to learn its inputs, on every rank",
-    ("lightning_hybrid/pipeline/runner.py", "_take_gradients"): "`PipelineRunner._take_gradients` stashes and"
-    " restores every gradient around the schedule each step",
-    ("lightning_hybrid/sharding/zero.py", "reduce_gradients"): "the ZeRO reduction flattens and unflattens every"
-    " gradient (`_flat_grads`/`_unflatten_into`) each step, also where the data dimension has one rank",
-    ("lightning_hybrid/pipeline/stage.py", "active"): "`NetworkSplit.active` swaps the stubs and registers a forward"
-    " hook for every forward action",
+    ("lightning_hybrid/pipeline/runner.py", "_share_results"): "`PipelineRunner._share_results` sends the step's"
+    " loss and logged values from the last stage to every stage (one tensor broadcast once the logged names are"
+    " known, pickled objects on the first step) and replays `self.log` (Lightning's `log` with `sync_dist`: an"
+    " all-reduce per logged value) on every rank",
+    ("lightning_hybrid/pipeline/runner.py", "_capture"): "`PipelineRunner._capture` runs `training_step` up to the"
+    " network call to learn its inputs, once per micro-batch on ranks holding a stage before the last",
+    ("lightning_hybrid/pipeline/runner.py", "_take_gradients"): "`PipelineRunner._take_gradients` holds the step's"
+    " gradients aside from Lightning's `zero_grad` between `training_step` and `backward`",
+    ("lightning_hybrid/sharding/zero.py", "reduce_gradients"): "the ZeRO reduction after the backward pass (stages"
+    " 1/2: flatten and reduce-scatter; stage 0 with buckets: waiting for buckets still in flight)",
+    ("lightning_hybrid/sharding/zero.py", "_end_of_backward"): "the end of the backward pass waits for the gradient"
+    " buckets still in flight (the last bucket, the embeddings, cannot overlap) and averages them",
+    ("lightning_hybrid/pipeline/stage.py", "active"): "`NetworkSplit.active` switches to the stage's prepared module"
+    " swaps for every forward action",
     ("lightning/pytorch/core/module.py", "log"): "Lightning's `self.log(..., sync_dist=True)` of the example's"
     " `training_step` (the references without Lightning do not log)",
 }
