@@ -585,7 +585,9 @@ class ShardedOptimizer:
     def gradient_bytes(self) -> int:
         """Bytes of gradients this rank holds at the step (full, reduced-shard or fp32 accumulation buffer)."""
         if self.buckets is not None:
-            return self.buckets.nbytes  # kept between steps, as DDP's buckets; the gradients are views of them
+            # kept between steps, as DDP's buckets; the gradients are views of them (the few used-flag elements after
+            # them are bookkeeping, not gradients)
+            return sum(sum(v.numel() for v in b.views) * b.buffer.element_size() for b in self.buckets.buckets)
         total = 0
         for g, flat in zip(self.groups, self._flat_grads or [None] * len(self.groups)):
             if g.grad_buffer is not None:
