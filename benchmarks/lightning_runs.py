@@ -74,7 +74,8 @@ class StepClock(L.Callback):
 
 
 def _short(path: str) -> str:
-    for marker in ("lightning_hybrid/", "torch/", "lightning/", "benchmarks/", "examples/"):
+    # "lightning/" before "torch/": Lightning's files live under lightning/pytorch/, which contains "torch/"
+    for marker in ("lightning_hybrid/", "lightning/", "torch/", "benchmarks/", "examples/"):
         if marker in path:
             return marker + path.split(marker, 1)[1]
     return path
