@@ -130,3 +130,19 @@ def test_gpu_side_of_the_benchmarks_without_a_gpu() -> None:
 
     assert cells[2] == f"{16384 * flops_per_token(models['dense'], parameters) / 989e12 * 100:.1f}%", cells
     assert cells[3] == "2.00 GiB" and cells[6] == "-", cells
+
+
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT + 60)
+def test_gpu_smoke_script_runs_on_cpu(tmp_path: Path) -> None:
+    """The single-GPU script (`benchmarks/gpu_smoke.py`) in its CPU mode: both single-device runs and the two-process
+    pipeline on one device go through every code path but CUDA's, so the script a lent GPU runs cannot rot."""
+    out = tmp_path / "gpu_smoke.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_smoke.py"), "--cpu-check", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = json.loads(out.read_text())
+    one = results["single_gpu"]
+    for kind in ("hybrid", "single_device"):
+        assert one[kind]["tokens_per_second"] > 0 and one[kind]["parameters"] > 0, (kind, one[kind])
+    assert one["step_time_ratio"] > 0
+    assert results["pipeline_two_processes"]["backend_used"] == "gloo", results["pipeline_two_processes"]
