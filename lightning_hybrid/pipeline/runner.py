@@ -430,20 +430,23 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _by_name(per_microbatch: list[list[_LogRecord]]) -> dict[str, tuple[list[Any], tuple, dict]]:
+    """Each logged name's values over the micro-batches, with the arguments of its first record, in first-logged
+    order (what both the tensor path and the object path of ``_share_results`` merge)."""
+    merged: dict[str, tuple[list[Any], tuple, dict]] = {}
+    for records in per_microbatch:
+        for name, value, args, kwargs in records:
+            merged.setdefault(name, ([], args, kwargs))[0].append(value)
+    return merged
+
+
 def _scalar_means(
     per_microbatch: list[list[_LogRecord]], schema: list[tuple[str, tuple, dict]], device: torch.device
 ) -> Optional[list[Tensor]]:
     """The micro-batch means of the logged values as float64 tensors on ``device`` (no host sync), in the schema's
     order; None when the records do not fit the schema (other names, order or arguments, or a value that is not a
     number), as ``_merge_records`` would merge them."""
-    merged: dict[str, tuple[list[Any], tuple, dict]] = {}
-    for records in per_microbatch:
-        for name, value, args, kwargs in records:
-            entry = merged.get(name)
-            if entry is None:
-                merged[name] = ([value], args, kwargs)
-            else:
-                entry[0].append(value)
+    merged = _by_name(per_microbatch)
     if len(merged) != len(schema):
         return None
     means = []
@@ -485,12 +488,8 @@ def _to_cpu(obj: Any) -> Any:
 def _merge_records(per_microbatch: list[list[tuple[str, Any, tuple, dict]]]) -> list[tuple[str, Any, tuple, dict]]:
     """One record per logged name: the mean over micro-batches (as a single-device step over the whole batch would
     give for a mean-reduced quantity), in first-logged order."""
-    merged: dict[str, tuple[list[Any], tuple, dict]] = {}
-    for records in per_microbatch:
-        for name, value, args, kwargs in records:
-            merged.setdefault(name, ([], args, kwargs))[0].append(value)
     out = []
-    for name, (values, args, kwargs) in merged.items():
+    for name, (values, args, kwargs) in _by_name(per_microbatch).items():
         if all(isinstance(v, (Tensor, float, int)) and not isinstance(v, bool) for v in values):
             value: Any = float(sum(float(v) for v in values) / len(values))
             if not math.isfinite(value):
