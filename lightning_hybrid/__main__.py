@@ -1,3 +1,5 @@
+import sys
+
 from lightning_hybrid.cli import main
 
-main()
+sys.exit(main())

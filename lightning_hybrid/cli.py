@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional
+from typing import Optional
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -21,23 +21,29 @@ class HybridCLI(LightningCLI):
     """``LightningCLI`` for any LightningModule/LightningDataModule given by class path, as Lightning users expect."""
 
 
-def main(args: Optional[list[str]] = None) -> Any:
-    """Entry point of ``lightning-hybrid`` and ``python -m lightning_hybrid``."""
+def main(args: Optional[list[str]] = None) -> int:
+    """Entry point of ``lightning-hybrid`` and ``python -m lightning_hybrid``; returns the exit status (0 on success).
+
+    The console script hands the return value to ``sys.exit``: anything but an int (the CLI object, a path) would be
+    printed and turned into exit status 1, so a successful run must return 0. Failures raise or exit on their own.
+    """
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["consolidate"]:  # `lightning-hybrid consolidate CKPT OUT`: no Trainer, no processes
         from lightning_hybrid.checkpoint.consolidate import main as consolidate_main
 
-        return consolidate_main(argv[1:])
+        consolidate_main(argv[1:])
+        return 0
     # class paths in configs (e.g. examples.nanogpt.NanoGPT) resolve from the working directory, as with `python -m`
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    return HybridCLI(
+    HybridCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         args=args,
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -31,6 +31,23 @@ class LaunchResult:
         return [p.read_text() for p in sorted(self.out_dir.glob(f"{name}.rank*.expected"))]
 
 
+def console_script(*args: str, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run the installed ``lightning-hybrid`` command as a user does (a subprocess of the console script)."""
+    import shutil
+
+    scripts = str(Path(sys.executable).parent)  # the interpreter's own scripts folder, where pip put the command
+    command = shutil.which("lightning-hybrid") or shutil.which("lightning-hybrid", path=scripts)
+    assert command, "the `lightning-hybrid` console script is not installed (pip install -e .)"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_clean_exit(proc: subprocess.CompletedProcess) -> None:
+    """Exit status 0, and nothing the console script printed of a return value (``sys.exit(obj)`` prints ``obj``)."""
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-6000:])
+    assert "object at 0x" not in proc.stderr, proc.stderr[-3000:]
+
+
 def launch(world: int, scenarios: list[dict[str, Any]], out_dir: Path, timeout: float) -> LaunchResult:
     """Run ``scenarios`` in one ``torchrun`` group of ``world`` CPU processes, with a hard timeout."""
     out_dir.mkdir(parents=True, exist_ok=True)

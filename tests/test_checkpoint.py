@@ -229,13 +229,15 @@ def test_hugging_face_export_loads_with_from_pretrained(safety: dict[str, Any]) 
     loads; its logits equal the single-device module's with the gathered parameters."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_hybrid.cli import main
+    from tests.conftest import assert_clean_exit, console_script
     from tests.harness import build_module, make_dataset
 
     group = safety["group"]
     checkpoint = next(group.out_dir.glob("llama-tp2/*step=2.ckpt"))
     out = safety["root"] / "llama-export"
-    main(["consolidate", str(checkpoint), str(out)])
+    proc = console_script("consolidate", str(checkpoint), str(out), timeout=120)
+    assert_clean_exit(proc)
+    assert proc.stdout.strip().endswith("model.safetensors"), proc.stdout
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     module = build_module("llama").eval()
