@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hybrid.agreement import computed_on_one_rank, raise_together
 from lightning_hybrid.checkpoint import LAYOUT_KEY, VERSIONS_KEY, ShardedCheckpointWriter, load_sharded, read_meta
 from lightning_hybrid.checkpoint import optimizer_state as checkpoint_optimizer_state
 from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pipeline, check_sizes
@@ -343,14 +344,15 @@ class HybridStrategy(ParallelStrategy):
         tensor parallel, activation checkpointing, ZeRO-3, each on what this rank holds."""
         layout = self.layout
         mesh = self.device_mesh
-        self._structure = structure = find_model_structure(module, self._transformer_blocks)
         user_parallelized = any(isinstance(p, DTensor) for p in module.parameters())
         plan = None
-        if layout.tensor_parallel_size > 1 and not user_parallelized:
-            plan = build_tensor_parallel_plan(
-                module, structure, self._tensor_parallel_plan, vocab_parallel_loss=self._vocab_parallel_loss
-            )
-            validate_tensor_parallel_plan(module, plan, layout.tensor_parallel_size)
+        with raise_together():  # planning is collective-free: a failure on any rank is raised on all of them
+            self._structure = structure = find_model_structure(module, self._transformer_blocks)
+            if layout.tensor_parallel_size > 1 and not user_parallelized:
+                plan = build_tensor_parallel_plan(
+                    module, structure, self._tensor_parallel_plan, vocab_parallel_loss=self._vocab_parallel_loss
+                )
+                validate_tensor_parallel_plan(module, plan, layout.tensor_parallel_size)
         split = self._cut_pipeline(module, structure) if layout.pipeline_parallel_size > 1 else None
         replicated: list[tuple[str, str]] = []
         if plan is not None:
@@ -422,42 +424,38 @@ class HybridStrategy(ParallelStrategy):
 
     def _cut_pipeline(self, module: pl.LightningModule, structure: ModelStructure) -> Any:
         layout, options = self.layout, self._pipeline_options
-        blocks = module.get_submodule(structure.blocks_name)
-        network_name = self._pipeline_network if self._pipeline_network is not None else structure.network_name
-        network = module.get_submodule(network_name) if network_name else module
-        prefix = f"{network_name}." if network_name else ""
-        if not structure.blocks_name.startswith(prefix):
-            raise HybridConfigError(
-                f"`pipeline_network={network_name!r}` does not contain the block list {structure.blocks_name!r}."
-            )
-        blocks_rel = structure.blocks_name[len(prefix) :]
+        with raise_together():
+            _, network, blocks_rel = _pipeline_network(module, structure, self._pipeline_network)
         partition = options["pipeline_partition"]
         costs: Optional[list[float]] = None
         first_cost = last_cost = 0.0
         if partition in ("parameters", "profile"):
             example = getattr(module, "example_input_array", None)
-            measured = [None]
-            if partition == "parameters" or self.global_rank == 0:
-                measured[0] = stage_costs(network, blocks_rel, partition, example)
+            measure = functools.partial(stage_costs, network, blocks_rel, partition, example)
             if partition == "profile":
-                # timings differ between ranks: one rank measures, all use its numbers, so all cut alike
-                torch.distributed.broadcast_object_list(measured, src=0)
-            costs, first_cost, last_cost = measured[0]
-        stage_plan = partition_blocks(
-            len(blocks),
-            layout.pipeline_parallel_size,
-            options["virtual_pipeline_size"],
-            partition,
-            block_costs=costs,
-            first_cost=first_cost,
-            last_cost=last_cost,
-            owner_style="v" if options["pipeline_schedule"] == "zbv_zero_bubble" else "loop",
-        )
+                # timings differ between ranks: one rank measures, all use its numbers (or raise its error), so all
+                # cut alike
+                costs, first_cost, last_cost = computed_on_one_rank(measure, src=0)
+            else:
+                with raise_together():
+                    costs, first_cost, last_cost = measure()
+        with raise_together():  # the cut depends on the pipeline rank: a failure on one stage is raised on all
+            stage_plan = partition_blocks(
+                len(module.get_submodule(structure.blocks_name)),
+                layout.pipeline_parallel_size,
+                options["virtual_pipeline_size"],
+                partition,
+                block_costs=costs,
+                first_cost=first_cost,
+                last_cost=last_cost,
+                owner_style="v" if options["pipeline_schedule"] == "zbv_zero_bubble" else "loop",
+            )
+            pipeline_rank = self.device_mesh["pipeline"].get_local_rank()
+            split = split_network(network, blocks_rel, stage_plan, pipeline_rank)
         unit = "seconds" if partition == "profile" else "params"
         rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(unit))
-        pipeline_rank = self.device_mesh["pipeline"].get_local_rank()
         self._pipeline_network_module = network
-        return split_network(network, blocks_rel, stage_plan, pipeline_rank)
+        return split
 
     def _build_runner(self, module: pl.LightningModule, structure: ModelStructure, split: Any) -> PipelineRunner:
         layout = self.layout
@@ -904,6 +902,30 @@ class HybridStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="3D parallel: tensor x pipeline x data (ZeRO)")
+
+
+def _pipeline_network(
+    module: pl.LightningModule, structure: ModelStructure, name: Optional[str]
+) -> tuple[str, nn.Module, str]:
+    """The module whose forward the pipeline stages run (``pipeline_network``, default: the block list's owner), and
+    the block list's name relative to it."""
+    network_name = name if name is not None else structure.network_name
+    try:
+        network = module.get_submodule(network_name) if network_name else module
+    except AttributeError:
+        candidates = [n for n, _ in module.named_modules() if n and structure.blocks_name.startswith(f"{n}.")]
+        raise HybridConfigError(
+            f"`pipeline_network={network_name!r}` names no submodule of {type(module).__name__}. Give the name of"
+            f" the module whose forward runs the block list {structure.blocks_name!r} (one of {candidates or ['']}),"
+            " or leave it None to take the block list's owner."
+        ) from None
+    prefix = f"{network_name}." if network_name else ""
+    if not structure.blocks_name.startswith(prefix):
+        raise HybridConfigError(
+            f"`pipeline_network={network_name!r}` does not contain the block list {structure.blocks_name!r}: give a"
+            " module that holds it, or leave `pipeline_network` None."
+        )
+    return network_name, network, structure.blocks_name[len(prefix) :]
 
 
 def _num_params(module: nn.Module) -> int:

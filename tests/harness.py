@@ -33,6 +33,12 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
         from examples.nanogpt import NanoGPT
 
         return NanoGPT(**{**MODEL_DEFAULTS["nanogpt"], **kwargs})
+    if model == "nanogpt_no_example":  # a module that gives no example_input_array (profiling needs one)
+        from examples.nanogpt import NanoGPT
+
+        module = NanoGPT(**{**MODEL_DEFAULTS["nanogpt"], **kwargs})
+        module.example_input_array = None
+        return module
     if model == "nanogpt_user_tp":
         return _user_tensor_parallel_nanogpt(**{**MODEL_DEFAULTS["nanogpt"], **kwargs})
     if model == "llama":

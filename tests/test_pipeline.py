@@ -44,6 +44,26 @@ WORLD2 = [
     ],
     scenario("error-too-many-stages", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs={"n_layer": 1}, expect_error=True),
     scenario("error-batch-not-divisible", "nanogpt", _pp(2, "gpipe", 3), 1, model_kwargs=LAYERS4, expect_error=True),
+    # found on rank 0 alone (it profiles), raised on every rank instead of leaving the others in the broadcast
+    {
+        **scenario(
+            "error-profile-no-example",
+            "nanogpt",
+            _pp(2, "1f1b", 2, pipeline_partition="profile"),
+            1,
+            model_kwargs=LAYERS4,
+            expect_error=True,
+        ),
+        "model": "nanogpt_no_example",
+    },
+    scenario(
+        "error-pipeline-network",
+        "nanogpt",
+        _pp(2, "1f1b", 2, pipeline_network="nonexistent"),
+        1,
+        model_kwargs=LAYERS4,
+        expect_error=True,
+    ),
     scenario(
         "error-virtual-not-dividing",
         "nanogpt",
@@ -276,6 +296,11 @@ def test_lightning_callbacks_under_pipeline_and_data_parallel(pipeline_groups) -
         ("error-too-many-stages", r"2 stages, but the model has only 1 blocks"),
         ("error-batch-not-divisible", r"batch size \(4\) is not divisible by `num_microbatches=3`"),
         ("error-virtual-not-dividing", r"makes 4 virtual stages, which do not divide the model's 6 blocks"),
+        ("error-profile-no-example", r"pipeline_partition='profile'` times the network on an example input"),
+        (
+            "error-pipeline-network",
+            r"pipeline_network='nonexistent'` names no submodule of NanoGPT.*one of \['model'\]",
+        ),
     ],
 )
 def test_bad_pipeline_configuration_raises_on_every_rank(pipeline_groups, name: str, match: str) -> None:
