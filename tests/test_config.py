@@ -424,3 +424,21 @@ def test_measure_model_state_bytes_counts_tied_parameters_once():
     module = nanogpt(tie_weights=True, n_layer=1)
     numel = sum(p.numel() for p in module.parameters())  # parameters() already removes the duplicate
     assert measure_model_state_bytes(module, [])["parameters"] == 4 * numel
+
+
+def test_hugging_face_head_counts_on_the_config_are_checked(llama_cls):
+    """Hugging Face attention reads its head counts from the model config: a tensor_parallel_size that divides every
+    projection (hidden 32, 2 key/value heads of 8 = 16 features) but not num_key_value_heads=2 is refused before the
+    split, not left to a reshape error in the first forward pass."""
+    module = llama_cls(**{**LLAMA, "num_key_value_heads": 2})
+    with pytest.raises(HybridConfigError, match=r"tensor_parallel_size=4` does not divide config.num_key_value_heads=2"):
+        validate_tensor_parallel_plan(module, plan_for(module), 4)
+    validate_tensor_parallel_plan(module, plan_for(module), 2)
+
+
+def test_token_embedding_is_the_one_the_head_predicts():
+    """A position table with more rows than the vocabulary is not taken for the token embedding: the head's
+    out_features name the vocabulary."""
+    module = nanogpt(block_size=256)  # wpe has 256 rows, the vocabulary 128
+    structure = find_model_structure(module)
+    assert (structure.token_embedding_name, structure.output_head_name) == ("model.wte", "model.lm_head")
