@@ -266,6 +266,9 @@ def test_zero3_gradient_sync_choice_is_measured(pipeline_groups) -> None:
     print("data-parallel collectives per step (ZeRO-3, pp=2 x dp=2, 4 blocks):", counts)
     for m in (2, 4):
         assert counts[("per_microbatch", m)] > counts[("per_step", m)], counts
+    # 'per_step' keeps the parameters gathered from the first forward to the last backward: its collectives per step
+    # do not grow with the number of micro-batches (docs/pipeline.md)
+    assert counts[("per_step", 2)] == counts[("per_step", 4)], counts
     # per micro-batch reductions grow with m faster than the per-step mode's (whose growth is forward gathers only)
     growth = {sync: counts[(sync, 4)] - counts[(sync, 2)] for sync in ("per_step", "per_microbatch")}
     assert growth["per_microbatch"] > growth["per_step"], counts
