@@ -806,7 +806,8 @@ class HybridStrategy(ParallelStrategy):
         model_state = checkpoint.pop("state_dict")
         optimizer_states = checkpoint.pop("optimizer_states", [])
         checkpoint[LAYOUT_KEY] = self.layout.as_dict()
-        checkpoint[VERSIONS_KEY] = {"torch": torch.__version__, "lightning": lightning.__version__}
+        # str(): torch.__version__ is a TorchVersion, which meta.pt's weights_only load would refuse
+        checkpoint[VERSIONS_KEY] = {"torch": str(torch.__version__), "lightning": lightning.__version__}
         hugging_face = hugging_face_info(self.lightning_module)  # lets `consolidate` write a from_pretrained folder
         if hugging_face is not None:
             checkpoint[HUGGING_FACE_KEY] = hugging_face
@@ -837,8 +838,9 @@ class HybridStrategy(ParallelStrategy):
             [self._sharded_for(o) for o in optimizers],
             aliases=aliases,
             strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
         )
-        saved_dp = read_meta(path).get(LAYOUT_KEY, {}).get("data_parallel_size")
+        saved_dp = read_meta(path, weights_only=weights_only).get(LAYOUT_KEY, {}).get("data_parallel_size")
         if saved_dp is not None and saved_dp != self.layout.data_parallel_size:
             rank_zero_warn(
                 f"Checkpoint {path} was saved with data_parallel_size={saved_dp}, this run has"

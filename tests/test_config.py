@@ -431,7 +431,8 @@ def test_hugging_face_head_counts_on_the_config_are_checked(llama_cls):
     projection (hidden 32, 2 key/value heads of 8 = 16 features) but not num_key_value_heads=2 is refused before the
     split, not left to a reshape error in the first forward pass."""
     module = llama_cls(**{**LLAMA, "num_key_value_heads": 2})
-    with pytest.raises(HybridConfigError, match=r"tensor_parallel_size=4` does not divide config.num_key_value_heads=2"):
+    match = r"tensor_parallel_size=4` does not divide config.num_key_value_heads=2"
+    with pytest.raises(HybridConfigError, match=match):
         validate_tensor_parallel_plan(module, plan_for(module), 4)
     validate_tensor_parallel_plan(module, plan_for(module), 2)
 

@@ -5,20 +5,14 @@ A checkpoint is a directory: DCP's shard files and ``.metadata`` for the model a
 layout it was saved with. Every tensor is keyed by its parameter's name and laid out like the parameter, ZeRO-1/2
 optimizer state included, so DCP loads a checkpoint into any tensor/pipeline/data layout and ZeRO stage.
 
-Modules: :mod:`.tensors` (how tensors meet DCP), :mod:`.optimizer` (the layout-free optimizer state), :mod:`.io`
-(atomic and asynchronous saves, checked loads), :mod:`.consolidate` (full weights as safetensors, Hugging Face export).
+Modules: :mod:`.tensors` (how tensors meet DCP), :mod:`.optimizer` (the layout-free optimizer state), :mod:`.format`
+(reading a checkpoint's index files without running code from them), :mod:`.io` (atomic and asynchronous saves,
+checked loads), :mod:`.consolidate` (full weights as safetensors, Hugging Face export).
 """
 
 from lightning_hybrid.checkpoint.consolidate import HUGGING_FACE_KEY, consolidate, hugging_face_info
-from lightning_hybrid.checkpoint.io import (
-    LAYOUT_KEY,
-    META_FILENAME,
-    VERSIONS_KEY,
-    CheckpointError,
-    ShardedCheckpointWriter,
-    load_sharded,
-    read_meta,
-)
+from lightning_hybrid.checkpoint.format import META_FILENAME, CheckpointError, read_meta
+from lightning_hybrid.checkpoint.io import LAYOUT_KEY, VERSIONS_KEY, ShardedCheckpointWriter, load_sharded
 from lightning_hybrid.checkpoint.optimizer import optimizer_state
 from lightning_hybrid.checkpoint.tensors import dcp_ready
 

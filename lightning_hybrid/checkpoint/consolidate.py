@@ -15,8 +15,15 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_hybrid.checkpoint.format import (
+    CheckpointError,
+    SafeFileSystemReader,
+    check_files,
+    check_shard_files,
+    read_meta,
+)
 
 __all__ = ["NATURAL_SHAPE_PREFIX", "consolidate"]
 
@@ -48,7 +55,7 @@ def _read(reader_path: str, request: dict[str, Any]) -> dict[str, Any]:
 
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": reading in one process is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(request, storage_reader=FileSystemReader(reader_path), no_dist=True)
+        dcp.load(request, storage_reader=SafeFileSystemReader(reader_path), no_dist=True)
     return request
 
 
@@ -109,12 +116,10 @@ def consolidate(
         >>> # consolidate("checkpoints/last.ckpt", "export")  # export/model.safetensors
         >>> # module.load_state_dict(safetensors.torch.load_file("export/model.safetensors"))
     """
-    from lightning_hybrid.checkpoint.io import CheckpointError, _check_files, _check_shard_files, read_meta
-
     source, output = Path(checkpoint), Path(output)
-    problems = _check_files(source)
-    metadata = FileSystemReader(str(source)).read_metadata() if not problems else None
-    problems = problems or _check_shard_files(source, metadata)
+    problems = check_files(source)
+    metadata = SafeFileSystemReader(str(source)).read_metadata() if not problems else None
+    problems = problems or check_shard_files(source, metadata)
     if problems:
         raise CheckpointError(f"Cannot consolidate {source}:\n  " + "\n  ".join(problems))
     assert metadata is not None

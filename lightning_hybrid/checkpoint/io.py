@@ -25,10 +25,19 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.optim import Optimizer
 
 from lightning_hybrid.checkpoint.consolidate import HUGGING_FACE_KEY, natural_shape_entries
+from lightning_hybrid.checkpoint.format import (
+    META_FILENAME,
+    CheckpointError,
+    SafeFileSystemReader,
+    check_files,
+    check_shard_files,
+    read_meta,
+    staging_path,
+)
 from lightning_hybrid.checkpoint.optimizer import HYPERPARAMETERS_KEY, optimizer_load_targets
 from lightning_hybrid.checkpoint.tensors import dcp_ready, plan_load
 
@@ -45,7 +54,6 @@ __all__ = [
     "read_meta",
 ]
 
-META_FILENAME = "meta.pt"
 LAYOUT_KEY = "hybrid_layout"
 VERSIONS_KEY = "hybrid_versions"
 OPTIMIZER_HYPERPARAMETERS_KEY = "hybrid_optimizer_param_groups"
@@ -54,14 +62,6 @@ OPTIMIZER_HYPERPARAMETERS_KEY = "hybrid_optimizer_param_groups"
 KILL_IN_SAVE_ENV = "LIGHTNING_HYBRID_TEST_KILL_IN_SAVE"
 _saves_started = 0
 _COMMIT_WAIT_S = 600.0
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot load: incomplete, corrupt, or from an incompatible model (raised on every rank)."""
-
-
-def staging_path(path: Path) -> Path:
-    return path.parent / f".{path.name}.partial"
 
 
 def _replaced_path(path: Path) -> Path:
@@ -225,42 +225,6 @@ class ShardedCheckpointWriter:
             self._group = None
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """The non-tensor part of a checkpoint (Lightning's loops, callbacks, schedulers, the layout, versions)."""
-    return torch.load(path / META_FILENAME, weights_only=False)
-
-
-def _check_files(path: Path) -> list[str]:
-    """Problems visible from the file system alone: identical on every rank (they all read the same files)."""
-    if not path.exists():
-        hint = (
-            f" A save into it did not finish ({staging_path(path).name} is left)."
-            if staging_path(path).exists()
-            else ""
-        )
-        return [f"{path} does not exist.{hint}"]
-    if not path.is_dir():
-        return [f"{path} is a file, not a lightning-hybrid checkpoint directory."]
-    missing = [name for name in (".metadata", META_FILENAME) if not (path / name).is_file()]
-    if missing:
-        return [f"{path} is incomplete: {', '.join(missing)} missing (the save did not finish)."]
-    return []
-
-
-def _check_shard_files(path: Path, metadata: Any) -> list[str]:
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    problems = []
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            problems.append(f"shard file {name} is missing")
-        elif file.stat().st_size < size:
-            problems.append(f"shard file {name} is truncated ({file.stat().st_size} bytes, the index needs {size})")
-    return problems
-
-
 def _agree(problems: list[str]) -> list[str]:
     """Every rank's problems, on every rank (one small collective, reached by all ranks before DCP's)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -286,6 +250,7 @@ def load_sharded(
     *,
     aliases: Optional[dict[str, str]] = None,
     strict: bool = True,
+    weights_only: Optional[bool] = None,
 ) -> dict[str, Any]:
     """Load a checkpoint directory in place into ``module`` and ``optimizers``, whatever layout it was saved in.
 
@@ -297,14 +262,14 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
-    problems = _check_files(path)
+    problems = check_files(path)
     if problems:
         _raise(path, problems)
-    metadata = FileSystemReader(str(path)).read_metadata()
-    problems = _check_shard_files(path, metadata)
+    metadata = SafeFileSystemReader(str(path)).read_metadata()
+    problems = check_shard_files(path, metadata)
     if problems:
         _raise(path, problems)
-    meta = read_meta(path)
+    meta = read_meta(path, weights_only=weights_only)
     available = set(metadata.state_dict_metadata)
     aliases = aliases or {}
     targets: dict[str, Any] = {}
@@ -333,7 +298,7 @@ def load_sharded(
     problems = _agree(problems)
     if problems:
         _raise(path, problems)
-    dcp.load(plan.request, storage_reader=FileSystemReader(str(path)))
+    dcp.load(plan.request, storage_reader=SafeFileSystemReader(str(path)))
     plan.finish()
     for finish, saved in zip(finishers, hyperparameters):
         finish(plan.request, saved)
