@@ -41,6 +41,7 @@ from lightning_hybrid.checkpoint import LAYOUT_KEY, VERSIONS_KEY, ShardedCheckpo
 from lightning_hybrid.checkpoint import optimizer_state as checkpoint_optimizer_state
 from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pipeline, check_sizes
 from lightning_hybrid.data import SkipOnResume
+from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network, to_plain
@@ -121,6 +122,11 @@ class HybridStrategy(ParallelStrategy):
             map, layout/version agreement and clock skew at start-up; data-parallel replica checksums every 1000
             steps). ``False`` turns them off; a ``HealthChecks(...)`` instance chooses the checks. Not added twice if
             the callbacks already hold one.
+        monitor: add :class:`~lightning_hybrid.monitoring.HybridMonitor` to the Trainer's callbacks whenever it has a
+            logger, so every logger gets the 3D metrics (loss, LR, gradient norm, loss scale, skipped steps, tokens/s,
+            MFU, memory, communication share per mesh dimension, pipeline bubble) and the layout in its run config.
+            ``False`` turns it off; a ``HybridMonitor(...)`` instance chooses the settings (and is added even
+            without a logger). Not added twice if the callbacks already hold one.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -154,6 +160,7 @@ class HybridStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         async_checkpoint: bool = False,
         health_checks: Union[bool, Any] = True,
+        monitor: Union[bool, HybridMonitor] = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -210,6 +217,12 @@ class HybridStrategy(ParallelStrategy):
         self._timeout = timeout
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
         self._health_checks = health_checks
+        if not isinstance(monitor, (bool, HybridMonitor)):
+            raise HybridConfigError(
+                f"`monitor={monitor!r}`: pass True (add HybridMonitor() when the Trainer has a logger), False, or a"
+                " `lightning_hybrid.HybridMonitor(...)` instance."
+            )
+        self._monitor = monitor
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional[DeviceMesh] = None
         self._structure: Optional[ModelStructure] = None
@@ -312,7 +325,7 @@ class HybridStrategy(ParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
         table = format_rank_table(self._layout, gather_rank_devices(self.root_device))
         rank_zero_info(table)
-        add_monitoring_defaults(self.lightning_module.trainer, self._health_checks)
+        add_monitoring_defaults(self.lightning_module.trainer, self._health_checks, self._monitor)
 
     # ------------------------------------------------------------------ model set-up
     @override

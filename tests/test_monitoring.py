@@ -1,5 +1,7 @@
-"""Monitoring and health checks: the communication meter's exact byte counts, an offline W&B run read back from disk,
-the console line, alerts, replica checksums, the rank-to-device check, and torchmetrics over data parallel only.
+"""Monitoring and health checks: the communication meter's exact byte counts, an offline W&B run read back from disk
+(the monitor added by the strategy, no callback listed; also through the ``lightning-hybrid`` command),
+``monitor=False``, the console line, alerts, replica checksums, the rank-to-device check, and torchmetrics over data
+parallel only.
 
 All multi-process scenarios run in ONE launched group of 4 CPU processes (this file is also the worker:
 ``python -m torch.distributed.run --nproc_per_node 4 tests/test_monitoring.py SPEC OUT``).
@@ -7,6 +9,7 @@ All multi-process scenarios run in ONE launched group of 4 CPU processes (this f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -128,6 +131,10 @@ def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
         from lightning.pytorch.loggers import WandbLogger
 
         kwargs["logger"] = WandbLogger(project="lightning-hybrid-test", save_dir=str(out / name))
+    if options.get("csv"):
+        from lightning.pytorch.loggers import CSVLogger
+
+        kwargs["logger"] = CSVLogger(save_dir=str(out / name), name="logs")
     strategy = HybridStrategy(**options["strategy"])
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, callbacks=callbacks, **kwargs)
     result: dict[str, Any] = {"error": None}
@@ -148,6 +155,11 @@ def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
 
         wandb.finish()
     result["health_callbacks"] = sum(isinstance(c, HealthChecks) for c in trainer.callbacks)
+    monitors = [c for c in trainer.callbacks if isinstance(c, HybridMonitor)]
+    result["monitor_callbacks"] = len(monitors)
+    result["monitor_is_users"] = monitor is not None and monitors == [monitor]
+    if monitors:
+        result["last_metrics"] = monitors[0].last_metrics
     return result
 
 
@@ -206,10 +218,24 @@ def _module(kind: str) -> Any:
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "comm": {},
-    # 3D minus one dimension so that 4 processes suffice: pipeline (2 stages) x data 2, logged to an offline W&B run
-    "wandb": {"strategy": {"pipeline_parallel_size": 2, "num_microbatches": 2}, "monitor": True, "wandb": True},
-    # tp=2 x dp=2 with torchmetrics in the module, and a NaN loss at the last step
-    "metrics": {"strategy": {"tensor_parallel_size": 2}, "module": "tracked", "metrics": True, "monitor": True},
+    # 3D minus one dimension so that 4 processes suffice: pipeline (2 stages) x data 2, logged to an offline W&B run;
+    # no HybridMonitor listed: the strategy adds it because a logger is attached
+    "wandb": {
+        "strategy": {"pipeline_parallel_size": 2, "num_microbatches": 2},
+        "wandb": True,
+        "trainer": {"log_every_n_steps": LOG_EVERY},
+    },
+    # tp=2 x dp=2 with torchmetrics in the module, and a NaN loss at the last step; the user lists a HybridMonitor
+    # and attaches a logger: the strategy must not add a second monitor
+    "metrics": {
+        "strategy": {"tensor_parallel_size": 2},
+        "module": "tracked",
+        "metrics": True,
+        "monitor": True,
+        "csv": True,
+    },
+    # a logger, and the monitor turned off: Lightning's own metrics only
+    "monitor_off": {"strategy": {"monitor": False}, "csv": True, "trainer": {"log_every_n_steps": 1}},
     "perturb": {"strategy": {"tensor_parallel_size": 2, "zero_stage": 0}, "health": "perturb"},
     "device_map": {"strategy": {"tensor_parallel_size": 2}, "health": "bad_device_map", "trainer": {"max_steps": 1}},
     "example_metric": {},
@@ -332,18 +358,21 @@ def _read_wandb_run(run_dir: Path) -> dict[str, Any]:
 MONITOR_METRICS = [
     "trainer/global_step", "trainer/global_batch_index", "train/loss", "train/lr", "train/grad_norm",
     "train/loss_scale", "train/skipped_steps", "throughput/tokens_per_s", "throughput/samples_per_s",
-    "throughput/step_time_s", "throughput/mfu", "memory/peak_bytes_max", "memory/peak_bytes_min",
+    "throughput/step_time_s", "memory/peak_bytes_max", "memory/peak_bytes_min",
     "memory/model_state_bytes_max", "memory/model_state_bytes_min", "comm/share", "comm/share_tensor",
     "comm/share_pipeline", "comm/share_data", "pipeline/bubble_fraction",
 ]  # fmt: skip
+# (plus ``throughput/mfu`` where the device's peak is known: never on CPU by Lightning's table, so only where given)
 
 
 def test_offline_wandb_run_holds_every_metric_once_per_logging_step_and_the_layout(group: dict[str, Any]) -> None:
     results = _result(group, "wandb")
+    assert all(r["monitor_callbacks"] == 1 for r in results)  # added by the strategy: no callback was listed
     runs = list((group["out"] / "wandb").rglob("offline-run-*"))
     assert len(runs) == 1, runs  # one run (rank 0), offline without credentials, never a prompt
     run = _read_wandb_run(runs[0])
     rows = [row for row in run["history"] if "train/loss" in row]
+    assert all("throughput/mfu" not in row for row in rows)  # CPU: no peak FLOP/s known, no MFU (and a warning)
     assert [row["trainer/global_step"] for row in rows] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
     for row in rows:
         missing = [m for m in MONITOR_METRICS if m not in row]
@@ -372,8 +401,9 @@ def test_console_line_every_n_steps(group: dict[str, Any]) -> None:
     steps = [int(line.split()[1]) for line in wandb_lines]
     # the wandb and metrics scenarios both log at steps 2 and 4, and print once (rank 0) each time
     assert steps.count(LOG_EVERY) == 2 and steps.count(STEPS) == 2 and len(steps) == 4, lines
-    for field in ("batch", "loss", "lr", "tok/s", "samples/s", "mem", "GiB", "comm", "tp", "pp", "dp", "bubble", "mfu"):
+    for field in ("batch", "loss", "lr", "tok/s", "samples/s", "mem", "GiB", "comm", "tp", "pp", "dp", "bubble"):
         assert field in wandb_lines[0], (field, wandb_lines[0])
+    assert sum(" | mfu " in line for line in wandb_lines) == 2  # the metrics scenario's monitor was given a peak
 
 
 def test_torchmetrics_sync_over_data_parallel_only_matches_single_process(group: dict[str, Any]) -> None:
@@ -391,6 +421,34 @@ def test_torchmetrics_sync_over_data_parallel_only_matches_single_process(group:
         for key, value in expected.items():
             assert r["metrics"][key] == pytest.approx(value, rel=1e-5), (key, r["metrics"][key], value)
     assert results[0]["last_metrics"]["comm/share_tensor"] > 0  # tensor parallel collectives were measured
+
+
+def test_a_listed_monitor_is_not_added_twice_and_gets_mfu_from_a_given_peak(group: dict[str, Any]) -> None:
+    results = _result(group, "metrics")  # HybridMonitor in the callbacks and a CSV logger attached
+    assert all(r["monitor_callbacks"] == 1 and r["monitor_is_users"] for r in results)
+    metrics = results[0]["last_metrics"]
+    # MFU = FLOPs per token x tokens/s / (devices x peak), computed by Lightning's Throughput with a replica as device
+    expected = metrics["throughput/tokens_per_s"] * _flops_per_token_of_tracked() / (WORLD * 1e11)
+    assert metrics["throughput/mfu"] == pytest.approx(expected, rel=1e-9) and metrics["throughput/mfu"] > 0
+    header = next((group["out"] / "metrics").rglob("metrics.csv")).read_text().splitlines()[0].split(",")
+    assert "train/loss" in header and "throughput/mfu" in header, header
+
+
+def _flops_per_token_of_tracked() -> float:
+    from lightning_hybrid.monitoring.flops import transformer_flops_per_token
+    from tests.harness import MODEL_DEFAULTS, SEQ_LEN
+
+    hp = MODEL_DEFAULTS["nanogpt"]
+    parameters = sum(p.numel() for p in _module("tracked").parameters())  # the unsplit model
+    return transformer_flops_per_token(parameters, hp["n_layer"], hp["n_embd"], SEQ_LEN)
+
+
+def test_monitor_false_logs_no_3d_metrics(group: dict[str, Any]) -> None:
+    results = _result(group, "monitor_off")
+    assert all(r["monitor_callbacks"] == 0 for r in results)
+    header = next((group["out"] / "monitor_off").rglob("metrics.csv")).read_text().splitlines()[0].split(",")
+    assert "train_loss" in header, header  # the module's own metric was logged: the logger worked
+    assert not [c for c in header if c.split("/")[0] in ("train", "throughput", "memory", "comm", "pipeline")], header
 
 
 def test_example_perplexity_under_tensor_and_data_parallel_matches_single_process(group: dict[str, Any]) -> None:
@@ -451,6 +509,162 @@ def test_health_checks_are_added_by_default_and_can_be_turned_off(group: dict[st
     assert chosen.callbacks == [mine]
 
 
+def test_monitor_is_added_with_a_logger_unless_off_or_listed() -> None:
+    from types import SimpleNamespace
+
+    from lightning_hybrid.monitoring import HybridMonitor
+    from lightning_hybrid.monitoring.health import add_monitoring_defaults
+
+    def monitors(loggers: list[Any], monitor: Any, callbacks: Any = ()) -> list[Any]:
+        trainer = SimpleNamespace(loggers=loggers, callbacks=list(callbacks))
+        add_monitoring_defaults(trainer, False, monitor)
+        add_monitoring_defaults(trainer, False, monitor)  # set up again (validate/test): never a second one
+        return [c for c in trainer.callbacks if isinstance(c, HybridMonitor)]
+
+    logger = object()
+    assert [type(m) for m in monitors([logger], True)] == [HybridMonitor]  # the default, with a logger
+    assert monitors([], True) == []  # no logger: nothing to log to
+    assert monitors([logger], False) == []
+    mine = HybridMonitor(log_every_n_steps=7)
+    assert monitors([logger], mine) == [mine] and monitors([], mine) == [mine]  # an instance is always added
+    listed = HybridMonitor()
+    assert monitors([logger], True, [listed]) == [listed]  # the user's own, not a second one
+    assert monitors([logger], mine, [listed]) == [listed]
+
+
+def test_strategy_monitor_argument_is_checked() -> None:
+    from lightning_hybrid import HybridConfigError, HybridStrategy
+
+    with pytest.raises(HybridConfigError, match=r"`monitor='yes'`: pass True .* False, or a .*HybridMonitor"):
+        HybridStrategy(monitor="yes")
+
+
+def _fake_trainer(step: int = 0, skipped: int = 0) -> Any:
+    from types import SimpleNamespace
+
+    plugin = SimpleNamespace(skipped_steps=skipped)
+    return SimpleNamespace(global_step=step, strategy=SimpleNamespace(precision_plugin=plugin), is_global_zero=True,
+                           loggers=[])  # fmt: skip
+
+
+def test_loss_spike_alert_above_factor_times_running_mean() -> None:
+    from lightning_hybrid.monitoring import HybridMonitor
+
+    seen: list[str] = []
+    monitor = HybridMonitor(loss_spike_factor=3.0, loss_spike_window=20, alert_fn=lambda title, text: seen.append(text))
+    trainer = _fake_trainer()
+    for step, loss in enumerate([1.0, 9.0, 2.0, 2.0, 2.0], start=1):  # under 5 losses seen: no mean to judge by yet
+        trainer.global_step = step
+        monitor._check_step(trainer, loss)
+    assert monitor.alerts == []
+    trainer.global_step = 6
+    monitor._check_step(trainer, 3.0 * 3.2 - 0.01)  # mean of the 5 is 3.2: just under 3x
+    assert monitor.alerts == []
+    for _ in range(20):  # a window of 20 forgets the early 9.0: the running mean settles near 2
+        trainer.global_step += 1
+        monitor._check_step(trainer, 2.0)
+    trainer.global_step += 1
+    with pytest.warns(UserWarning, match="HybridMonitor alert: Loss spike"):  # no W&B logger: a warning
+        monitor._check_step(trainer, 6.6)
+    assert [(step, title) for step, title, _ in monitor.alerts] == [(trainer.global_step, "Loss spike")]
+    assert "6.6 at step 27 is 3.3x its running mean 2 over the last 20 steps (alert above 3.0x)" in seen[0], seen
+
+
+def test_skipped_steps_alert_counts_skips_within_the_window() -> None:
+    from lightning_hybrid.monitoring import HybridMonitor
+
+    monitor = HybridMonitor(loss_spike_window=10, skipped_steps_alert=3)
+    trainer = _fake_trainer()
+    skipped_at = {2, 9, 15}  # never 3 within 10 steps: no alert
+    for step in range(1, 21):
+        trainer.global_step = step
+        trainer.strategy.precision_plugin.skipped_steps += step in skipped_at
+        monitor._check_step(trainer, 1.0)
+    assert monitor.alerts == []
+    for step in range(21, 29):  # skips at 26, 27 and 28: the third within the window alerts, once
+        trainer.global_step = step
+        trainer.strategy.precision_plugin.skipped_steps += step >= 26
+        with pytest.warns(UserWarning, match="Skipped steps") if step == 28 else contextlib.nullcontext():
+            monitor._check_step(trainer, 1.0)
+    assert [(step, title) for step, title, _ in monitor.alerts] == [(28, "Skipped steps")]
+    assert monitor.alerts[0][2].startswith(
+        "3 of the last 10 optimizer steps were skipped for gradient overflow (step 28,"
+    )
+    trainer.global_step, trainer.strategy.precision_plugin.skipped_steps = 29, 7  # counting restarts after an alert
+    monitor._check_step(trainer, 1.0)
+    assert len(monitor.alerts) == 1
+
+
+def test_clock_skew_between_hosts_warns_above_the_threshold() -> None:
+    from lightning_hybrid.monitoring import HealthChecks
+
+    checks = HealthChecks(clock_skew_seconds=2.0)
+    close = [{"host": "a", "time": 100.0}, {"host": "a", "time": 103.0}, {"host": "b", "time": 101.9}]
+    checks._check_clocks(close)  # within one host the clock is one clock; across hosts 1.9 s apart: fine
+    assert checks.reports == []
+    far = [{"host": "a", "time": 100.0}, {"host": "b", "time": 100.5}, {"host": "c", "time": 97.5}]
+    with pytest.warns(UserWarning, match=r"The clock of host c is -2.50 s off host a \(threshold 2.0 s\)"):
+        checks._check_clocks(far)
+    assert len(checks.reports) == 1 and "synchronize the nodes' clocks" in checks.reports[0]
+
+
+_USER_YAML = """
+seed_everything: 1234
+trainer:
+  accelerator: cpu
+  devices: 2
+  precision: 16-mixed
+  max_steps: 4
+  log_every_n_steps: 2
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  num_sanity_val_steps: 0
+  limit_val_batches: 0
+  logger:
+    class_path: lightning.pytorch.loggers.WandbLogger
+    init_args: {project: my-project, offline: true, save_dir: SAVE_DIR}
+  strategy:
+    class_path: lightning_hybrid.HybridStrategy
+    init_args: {pipeline_parallel_size: 2, num_microbatches: 2}
+model:
+  class_path: examples.nanogpt.NanoGPT
+  init_args: {vocab_size: 128, block_size: 16, n_layer: 2, n_head: 2, n_embd: 16}
+data:
+  class_path: examples.data.CharDataModule
+  init_args: {block_size: 16, batch_size: 4, max_chars: 20000}
+"""
+
+
+@pytest.mark.timeout(400)
+def test_command_with_a_users_wandb_config_logs_the_3d_metrics_without_a_callback(tmp_path: Path) -> None:
+    """A user's YAML as the issue had it: WandbLogger and HybridStrategy, no HybridMonitor listed."""
+    import shutil
+
+    command = shutil.which("lightning-hybrid")
+    assert command is not None, "the console script is installed by `pip install -e .`"
+    config = tmp_path / "my.yaml"
+    config.write_text(_USER_YAML.replace("SAVE_DIR", str(tmp_path)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([command, "fit", "--config", str(config)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=360, stdin=subprocess.DEVNULL)  # fmt: skip
+    log = proc.stdout + proc.stderr
+    # (the exit status itself is the CLI tests' concern)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, (runs, log[-4000:])
+    run = _read_wandb_run(runs[0])
+    rows = [row for row in run["history"] if "train/loss" in row]
+    assert [row["trainer/global_step"] for row in rows] == [2, 4], (run["history"], log[-4000:])
+    for row in rows:
+        assert not [m for m in MONITOR_METRICS if m not in row], row
+        assert all(math.isfinite(row[m]) for m in MONITOR_METRICS), row
+        assert row["pipeline/bubble_fraction"] > 0 and row["comm/share_pipeline"] > 0
+    layout = run["config"]["lightning_hybrid"]
+    assert (layout["pipeline_parallel_size"], layout["data_parallel_size"], layout["world_size"]) == (2, 1, 2)
+    assert layout["precision"] == "bf16-mixed"  # Lightning's CPU fallback for 16-mixed
+    assert "train_loss" in {key for row in run["history"] for key in row}  # and the module's own metric
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # single process
 
@@ -465,15 +679,50 @@ def test_rank_device_map_and_replica_mismatch_helpers() -> None:
     assert find_replica_mismatches(["w", "b"], torch.tensor([[5, 6], [5, 6], [5, 7]])) == ["b"]
 
 
-def test_bad_arguments_name_the_parameter(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from lightning_hybrid.monitoring import HealthChecks, HybridMonitor, use_offline_wandb_without_credentials
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"log_every_n_steps": 0}, r"`HybridMonitor\(log_every_n_steps=0\)`: pass a positive integer"),
+        ({"log_every_n_steps": 2.5}, r"`HybridMonitor\(log_every_n_steps=2.5\)`: pass a positive integer"),
+        ({"flops_per_token": -1.0}, r"`HybridMonitor\(flops_per_token=-1.0\)`: pass a positive number"),
+        ({"peak_flops": 0}, r"`HybridMonitor\(peak_flops=0\)`: pass a positive number .* e.g. 989e12"),
+        ({"communication_alert": 0}, r"`HybridMonitor\(communication_alert=0\)`: pass the share .* e.g. 0.3"),
+        ({"loss_spike_factor": 0.5}, r"`HybridMonitor\(loss_spike_factor=0.5\)`: pass a number above 1"),
+        ({"loss_spike_window": 0}, r"`HybridMonitor\(loss_spike_window=0\)`: pass a positive integer"),
+        ({"skipped_steps_alert": -1}, r"`HybridMonitor\(skipped_steps_alert=-1\)`: pass a non-negative integer"),
+        ({"skipped_steps_alert": 30}, r"`HybridMonitor\(skipped_steps_alert=30\)`: it can never fire: .*\(20\)"),
+    ],
+)
+def test_bad_monitor_arguments_name_the_parameter_the_value_and_the_fix(kwargs: dict[str, Any], match: str) -> None:
+    from lightning_hybrid import HybridConfigError
+    from lightning_hybrid.monitoring import HybridMonitor
 
-    with pytest.raises(ValueError, match="log_every_n_steps"):
-        HybridMonitor(log_every_n_steps=0)
-    with pytest.raises(ValueError, match="loss_spike_factor"):
-        HybridMonitor(loss_spike_factor=0.5)
-    with pytest.raises(ValueError, match="on_mismatch"):
-        HealthChecks(on_mismatch="ignore")
+    with pytest.raises(HybridConfigError, match=match):
+        HybridMonitor(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"on_mismatch": "ignore"}, r"`HealthChecks\(on_mismatch='ignore'\)`: pass 'raise' .* or 'warn'"),
+        ({"replica_check_every_n_steps": -5}, r"`HealthChecks\(replica_check_every_n_steps=-5\)`: pass a non-neg"),
+        ({"replica_check_every_n_steps": True}, r"`HealthChecks\(replica_check_every_n_steps=True\)`: pass a"),
+        ({"clock_skew_seconds": -1}, r"`HealthChecks\(clock_skew_seconds=-1\)`: pass a non-negative number"),
+    ],
+)
+def test_bad_health_check_arguments_name_the_parameter_the_value_and_the_fix(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    from lightning_hybrid import HybridConfigError
+    from lightning_hybrid.monitoring import HealthChecks
+
+    with pytest.raises(HybridConfigError, match=match):
+        HealthChecks(**kwargs)
+
+
+def test_offline_wandb_without_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from lightning_hybrid.monitoring import use_offline_wandb_without_credentials
+
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))

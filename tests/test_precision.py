@@ -281,14 +281,22 @@ def test_scaler_unscales_and_flags_non_finite_gradients() -> None:
     "kwargs, match",
     [
         ({"precision": "64-true"}, "not supported"),
-        ({"precision": "16-mixed", "backoff_factor": 1.5}, "backoff_factor=1.5"),
-        ({"precision": "16-mixed", "growth_interval": 0}, "growth_interval=0"),
-        ({"precision": "16-mixed", "on_min_scale": "crash"}, "on_min_scale='crash'"),
+        ({"initial_scale": 0.0}, r"`initial_scale=0.0`: pass a positive scale .* e.g. 2.0\*\*16"),
+        ({"growth_factor": 1.0}, r"`growth_factor=1.0`: pass a factor above 1 .* e.g. 2.0"),
+        ({"backoff_factor": 1.5}, r"`backoff_factor=1.5`: pass a factor between 0 and 1 .* e.g. 0.5"),
+        ({"growth_interval": 0}, r"`growth_interval=0`: pass a positive integer.* e.g. 1000"),
+        ({"growth_interval": 10.0}, r"`growth_interval=10.0`: pass a positive integer"),
+        ({"hysteresis": 0}, r"`hysteresis=0`: pass a positive integer.* e.g. 2"),
+        ({"min_scale": 8.0, "initial_scale": 4.0}, r"`min_scale=8.0`: pass a positive floor not above `initial_scale`"),
+        ({"on_min_scale": "crash"}, r"`on_min_scale='crash'`: pass 'warn' .* or 'stop'"),
     ],
 )
-def test_bad_precision_arguments_name_the_parameter(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises((HybridConfigError, ValueError), match=match):
-        HybridPrecision(**kwargs)
+def test_bad_precision_arguments_name_the_parameter_the_value_and_the_fix(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(HybridConfigError, match=match):
+        HybridPrecision(**{"precision": "16-mixed", **kwargs})
+    if "precision" not in kwargs:  # the scaler itself refuses them the same way
+        with pytest.raises(HybridConfigError, match=match):
+            DynamicLossScaler(**kwargs)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"])

@@ -14,8 +14,10 @@ from typing import Any, Optional, Union
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.monitoring.comm import CommunicationMeter
 from lightning_hybrid.monitoring.flops import count_parameters, device_peak_flops, transformer_flops_per_token
 from lightning_hybrid.monitoring.loggers import use_offline_wandb_without_credentials
@@ -50,7 +52,8 @@ class HybridMonitor(L.Callback):
         log_every_n_steps: logging interval in optimizer steps (default: the Trainer's ``log_every_n_steps``).
         flops_per_token: training FLOPs per token (default: the module's ``flops_per_token`` attribute or method,
             else ``6 N + 12 L H T`` from the parameter count and the module's hyperparameters).
-        peak_flops: peak FLOP/s of one device (default: a table of common GPUs; unknown on CPU, so no MFU there).
+        peak_flops: peak FLOP/s of one device (default: Lightning's device table, ``get_available_flops``, for the
+            precision's compute dtype; unknown on CPU, so no MFU there).
         console: print one line per logging step on global rank 0.
         progress_bar: show the loss and tokens/s in the progress bar.
         measure_communication: time collectives on logging steps (intercepting DTensor's functional collectives
@@ -58,14 +61,19 @@ class HybridMonitor(L.Callback):
         communication_alert: alert when the communication share of a step exceeds this fraction.
         loss_spike_factor: alert when the loss exceeds this multiple of its running mean (``loss_spike_window`` steps).
         skipped_steps_alert: alert when this many optimizer steps were skipped (fp16 overflow) within
-            ``loss_spike_window`` steps.
+            ``loss_spike_window`` steps (0: never).
         alert_fn: called as ``alert_fn(title, text)`` for every alert (in addition to W&B or the warning).
+
+    :class:`~lightning_hybrid.HybridStrategy` adds ``HybridMonitor()`` whenever the Trainer has a logger
+    (``monitor=False`` turns that off; ``monitor=HybridMonitor(...)`` chooses the settings; one listed in the
+    callbacks is used instead, never a second one).
 
     Example:
         >>> from lightning_hybrid import HybridStrategy
         >>> from lightning_hybrid.monitoring import HybridMonitor
-        >>> trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HybridStrategy(tensor_parallel_size=2),
-        ...                     callbacks=[HybridMonitor(log_every_n_steps=10, peak_flops=1e12)], max_steps=100)
+        >>> monitor = HybridMonitor(log_every_n_steps=10, peak_flops=1e12)
+        >>> strategy = HybridStrategy(tensor_parallel_size=2, monitor=monitor)
+        >>> trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=100)
     """
 
     def __init__(
@@ -83,12 +91,15 @@ class HybridMonitor(L.Callback):
         skipped_steps_alert: int = 3,
         alert_fn: Optional[Callable[[str, str], None]] = None,
     ) -> None:
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ValueError(
-                f"`HybridMonitor(log_every_n_steps=...)` must be a positive integer, got {log_every_n_steps!r}."
-            )
-        if loss_spike_factor <= 1:
-            raise ValueError(f"`HybridMonitor(loss_spike_factor=...)` must be > 1, got {loss_spike_factor!r}.")
+        _check_arguments(
+            log_every_n_steps=log_every_n_steps,
+            flops_per_token=flops_per_token,
+            peak_flops=peak_flops,
+            communication_alert=communication_alert,
+            loss_spike_factor=loss_spike_factor,
+            loss_spike_window=loss_spike_window,
+            skipped_steps_alert=skipped_steps_alert,
+        )
         self.log_every_n_steps = log_every_n_steps
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
@@ -112,6 +123,8 @@ class HybridMonitor(L.Callback):
         self._tokens_per_sample = 1.0
         self._num_parameters = 0
         self._config_logged = False
+        self._throughput: Optional[Throughput] = None
+        self._totals: dict[str, float] = {}
         use_offline_wandb_without_credentials()
 
     # ------------------------------------------------------------------ hooks
@@ -125,6 +138,7 @@ class HybridMonitor(L.Callback):
         self._last_batch_end = None
         self._last_step = trainer.global_step
         self._reset_window()
+        self._start_throughput(trainer)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -236,12 +250,10 @@ class HybridMonitor(L.Callback):
             "seconds": window["seconds"],
         }
         everyone = _gather(mine)
-        mesh = _mesh(trainer)
-        dp = mesh["data"].size() if mesh is not None else trainer.world_size
         steps = max(1, window["steps"])
-        step_time = max(r["seconds"] for r in everyone) / steps  # the slowest rank sets the pace
-        samples_per_s = window["samples"] * dp / (step_time * steps) if step_time > 0 else 0.0
-        tokens_per_s = window["tokens"] * dp / (step_time * steps) if step_time > 0 else 0.0
+        slowest = max(r["seconds"] for r in everyone)  # the slowest rank sets the pace
+        step_time = slowest / steps
+        rates = self._update_throughput(pl_module, window, slowest)
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         scale = getattr(strategy.precision_plugin, "loss_scale", None)
         norm = getattr(strategy, "last_gradient_norm", None)
@@ -253,8 +265,8 @@ class HybridMonitor(L.Callback):
             "train/grad_norm": float(norm) if norm is not None else float("nan"),
             "train/loss_scale": float(scale) if scale is not None else 1.0,
             "train/skipped_steps": float(getattr(strategy.precision_plugin, "skipped_steps", 0) or 0),
-            "throughput/tokens_per_s": tokens_per_s,
-            "throughput/samples_per_s": samples_per_s,
+            "throughput/tokens_per_s": rates.get("items_per_sec", 0.0),
+            "throughput/samples_per_s": rates.get("samples_per_sec", 0.0),
             "throughput/step_time_s": step_time,
             "memory/peak_bytes_max": float(max(r["peak_memory"] for r in everyone)),
             "memory/peak_bytes_min": float(min(r["peak_memory"] for r in everyone)),
@@ -265,9 +277,8 @@ class HybridMonitor(L.Callback):
         }
         for d in DIMENSIONS:
             metrics[f"comm/share_{d}"] = sum(r["comm"][d] for r in everyone) / len(everyone)
-        mfu = self._mfu(trainer, pl_module, tokens_per_s)
-        if mfu is not None:
-            metrics["throughput/mfu"] = mfu
+        if "mfu" in rates:
+            metrics["throughput/mfu"] = rates["mfu"]
         self.last_metrics = metrics
         self._log_config(trainer, window)
         if trainer.is_global_zero:
@@ -277,7 +288,9 @@ class HybridMonitor(L.Callback):
             rank_zero_info(format_console_line(metrics))
         if self.progress_bar:
             pl_module.log("loss", loss, prog_bar=True, logger=False, on_step=True, on_epoch=False)
-            pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            pl_module.log(
+                "tok/s", metrics["throughput/tokens_per_s"], prog_bar=True, logger=False, on_step=True, on_epoch=False
+            )
         if metrics["comm/share"] > self.communication_alert:
             parts = ", ".join(f"{d} {metrics[f'comm/share_{d}']:.0%}" for d in DIMENSIONS)
             self._alert(
@@ -289,18 +302,54 @@ class HybridMonitor(L.Callback):
             )
         self._reset_window()
 
-    def _mfu(self, trainer: L.Trainer, pl_module: L.LightningModule, tokens_per_s: float) -> Optional[float]:
-        peak = self.peak_flops or device_peak_flops(trainer.strategy.root_device, str(trainer.precision))
+    def _start_throughput(self, trainer: L.Trainer) -> None:
+        """Lightning's ``Throughput`` with one data-parallel replica as its "device": a replica (tp x pp devices)
+        processes each sample once, so samples and tokens per replica times the replicas are the global rates, and
+        the replica's FLOP/s over its devices' peak is the MFU. (Lightning's ``ThroughputMonitor`` callback counts
+        every rank as a data-parallel device: under tensor or pipeline parallel it would count each sample tp x pp
+        times.)"""
+        mesh = _mesh(trainer)
+        replicas = mesh["data"].size() if mesh is not None else trainer.world_size
+        dtype = getattr(trainer.precision_plugin, "compute_dtype", torch.float32)
+        peak = self.peak_flops or device_peak_flops(trainer.strategy.root_device, dtype)
         if peak is None:
-            if not getattr(self, "_warned_peak", False):
-                rank_zero_warn(
-                    "HybridMonitor: the device's peak FLOP/s is not known, so MFU is not logged: pass"
-                    " `HybridMonitor(peak_flops=...)` (FLOP/s of one device)."
-                )
-                self._warned_peak = True
-            return None
-        per_token = self._flops_per_token(pl_module)
-        return per_token * tokens_per_s / (peak * trainer.world_size)
+            rank_zero_warn(
+                "HybridMonitor: the device's peak FLOP/s is not known (not in Lightning's device table), so MFU is"
+                " not logged: pass `HybridMonitor(peak_flops=...)` (FLOP/s of one device), or"
+                " `HybridStrategy(monitor=HybridMonitor(peak_flops=...))`."
+            )
+        per_replica = peak * (trainer.world_size // replicas) if peak else None
+        # a window of 2 updates, one per logging step: the rates are over the last logging interval
+        self._throughput = Throughput(available_flops=per_replica, world_size=replicas, window_size=2)
+        self._totals = {"time": 0.0, "batches": 0, "samples": 0, "lengths": 0}
+        self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
+
+    def _update_throughput(
+        self, pl_module: L.LightningModule, window: dict[str, Any], seconds: float
+    ) -> dict[str, float]:
+        """Feed the logging interval (this replica's samples and tokens, the slowest rank's seconds) to the
+        ``Throughput`` and return its global rates: ``samples_per_sec``, ``items_per_sec`` (tokens) and ``mfu``."""
+        throughput = self._throughput
+        if throughput is None or window["samples"] == 0 or seconds <= 0:
+            return {}  # a batch without a tensor to count, or no time passed: nothing to rate
+        totals = self._totals
+        totals["time"] += seconds
+        totals["batches"] += window["steps"]
+        totals["samples"] += window["samples"]
+        totals["lengths"] += window["tokens"]
+        flops = self._flops_per_token(pl_module) * window["tokens"] if throughput.available_flops else None
+        throughput.update(
+            time=totals["time"], batches=totals["batches"], samples=totals["samples"], lengths=totals["lengths"],
+            flops=flops,
+        )  # fmt: skip
+        computed = throughput.compute()
+        # the global rates are left out by Throughput at one replica, where they equal the per-replica ones
+        rates = {
+            k: float(computed.get(k, computed.get(f"device/{k}", 0.0))) for k in ("samples_per_sec", "items_per_sec")
+        }
+        if "device/mfu" in computed:
+            rates["mfu"] = float(computed["device/mfu"])
+        return rates
 
     def _flops_per_token(self, pl_module: L.LightningModule) -> float:
         if self.flops_per_token is not None:
@@ -349,6 +398,66 @@ class HybridMonitor(L.Callback):
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
             self._meter = None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_arguments(
+    *,
+    log_every_n_steps: Any,
+    flops_per_token: Any,
+    peak_flops: Any,
+    communication_alert: Any,
+    loss_spike_factor: Any,
+    loss_spike_window: Any,
+    skipped_steps_alert: Any,
+) -> None:
+    """Refuse settings the monitor cannot act on, each naming the parameter, the value and the fix (in the
+    constructor: every rank builds the callback alike, before any collective)."""
+
+    def refuse(name: str, value: Any, fix: str) -> None:
+        raise HybridConfigError(f"`HybridMonitor({name}={value!r})`: {fix}")
+
+    if log_every_n_steps is not None and (not _is_int(log_every_n_steps) or log_every_n_steps < 1):
+        refuse(
+            "log_every_n_steps", log_every_n_steps, "pass a positive integer (optimizer steps between logs), or None"
+            " for the Trainer's `log_every_n_steps`."
+        )  # fmt: skip
+    for name, value, what in (("flops_per_token", flops_per_token, "training FLOPs per token"),
+                              ("peak_flops", peak_flops, "peak FLOP/s of one device, e.g. 989e12")):  # fmt: skip
+        if value is not None and (not _is_number(value) or not value > 0):
+            refuse(name, value, f"pass a positive number ({what}), or None for the default.")
+    if not _is_number(communication_alert) or not 0 < communication_alert:
+        refuse(
+            "communication_alert", communication_alert, "pass the share of a step spent in collectives above which"
+            " to alert, e.g. 0.3 (a value of 1 or more never alerts)."
+        )  # fmt: skip
+    if not _is_number(loss_spike_factor) or not loss_spike_factor > 1:
+        refuse(
+            "loss_spike_factor", loss_spike_factor, "pass a number above 1, the multiple of the running mean loss"
+            " that counts as a spike, e.g. 3.0."
+        )  # fmt: skip
+    if not _is_int(loss_spike_window) or loss_spike_window < 1:
+        refuse(
+            "loss_spike_window", loss_spike_window, "pass a positive integer, the steps of the running mean loss and"
+            " of the skipped-steps count, e.g. 20."
+        )  # fmt: skip
+    if not _is_int(skipped_steps_alert) or skipped_steps_alert < 0:
+        refuse(
+            "skipped_steps_alert", skipped_steps_alert, "pass a non-negative integer, the skipped steps within"
+            " `loss_spike_window` steps that raise the alert (0: never), e.g. 3."
+        )  # fmt: skip
+    if skipped_steps_alert > loss_spike_window:
+        refuse(
+            "skipped_steps_alert", skipped_steps_alert, f"it can never fire: at most `loss_spike_window`"
+            f" ({loss_spike_window}) steps are counted; lower it or raise `loss_spike_window`."
+        )  # fmt: skip
 
 
 def run_config(trainer: L.Trainer) -> dict[str, Any]:

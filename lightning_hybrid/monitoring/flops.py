@@ -11,47 +11,24 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["PEAK_FLOPS", "count_parameters", "device_peak_flops", "transformer_flops_per_token"]
-
-# Dense (no sparsity) tensor-core peak FLOP/s per device from the vendors' data sheets: 16-bit (bf16/fp16) and fp32
-# (fp32 on Ampere+ counts TF32 tensor cores, which torch uses for matmuls only if allowed; the plain-fp32 figure is
-# far lower). Matched as a substring of torch.cuda.get_device_name(), first match wins: longer names first.
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"16": 989e12, "32": 494e12},
-    "H100 PCIe": {"16": 756e12, "32": 378e12},
-    "H100": {"16": 989e12, "32": 494e12},
-    "GH200": {"16": 989e12, "32": 494e12},
-    "B200": {"16": 2250e12, "32": 1100e12},
-    "A100": {"16": 312e12, "32": 156e12},
-    "A10G": {"16": 70e12, "32": 35e12},
-    "A10": {"16": 125e12, "32": 62.5e12},
-    "L40S": {"16": 362e12, "32": 183e12},
-    "L4": {"16": 121e12, "32": 60e12},
-    "V100": {"16": 125e12, "32": 15.7e12},
-    "T4": {"16": 65e12, "32": 8.1e12},
-    "RTX 4090": {"16": 165e12, "32": 82.6e12},
-    "RTX 3090": {"16": 71e12, "32": 35.6e12},
-    "MI300X": {"16": 1307e12, "32": 654e12},
-    "MI250X": {"16": 383e12, "32": 95.7e12},
-}
+__all__ = ["count_parameters", "device_peak_flops", "transformer_flops_per_token"]
 
 
-def device_peak_flops(device: torch.device, precision: str = "bf16-mixed") -> Optional[float]:
-    """Peak FLOP/s of one ``device`` for ``precision`` from :data:`PEAK_FLOPS`, or None when it is not known (CPUs,
-    unlisted GPUs): pass ``peak_flops=`` to :class:`~lightning_hybrid.monitoring.HybridMonitor` then.
+def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[float]:
+    """Peak FLOP/s of one ``device`` for matmuls in ``dtype``, from Lightning's device table
+    (:func:`lightning.fabric.utilities.throughput.get_available_flops`; fp32 on Ampere or later counts TF32 when
+    ``torch.get_float32_matmul_precision()`` allows it), or None when Lightning does not know the device (CPUs,
+    unlisted GPUs, and in Lightning 2.6 the H200 by its usual name "NVIDIA H200"): pass ``peak_flops=`` to
+    :class:`~lightning_hybrid.monitoring.HybridMonitor` then.
 
     Example:
         >>> device_peak_flops(torch.device("cpu")) is None
         True
     """
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(device)
-    width = "16" if ("16" in precision) else "32"
-    for key, peaks in PEAK_FLOPS.items():
-        if key in name:
-            return peaks[width]
-    return None
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    flops = get_available_flops(device, dtype)
+    return float(flops) if flops else None
 
 
 def transformer_flops_per_token(

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_hybrid.config import HybridConfigError
+
 __all__ = [
     "HealthCheckError",
     "HealthChecks",
@@ -116,12 +118,21 @@ class HealthChecks(L.Callback):
         on_mismatch: str = "raise",
     ) -> None:
         if on_mismatch not in ("raise", "warn"):
-            raise ValueError(f"`HealthChecks(on_mismatch=...)` must be 'raise' or 'warn', got {on_mismatch!r}.")
+            raise HybridConfigError(
+                f"`HealthChecks(on_mismatch={on_mismatch!r})`: pass 'raise' (stop the run on every rank when"
+                " data-parallel replicas differ) or 'warn' (log it and go on)."
+            )
         every = replica_check_every_n_steps
-        if every is not None and (not isinstance(every, int) or every < 0):
-            raise ValueError(
-                "`HealthChecks(replica_check_every_n_steps=...)` must be a non-negative integer or None, got"
-                f" {every!r}."
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+            raise HybridConfigError(
+                f"`HealthChecks(replica_check_every_n_steps={every!r})`: pass a non-negative integer, the optimizer"
+                " steps between replica checks (e.g. 1000), or 0 or None to never check."
+            )
+        skew = clock_skew_seconds
+        if skew is not None and (isinstance(skew, bool) or not isinstance(skew, (int, float)) or not skew >= 0):
+            raise HybridConfigError(
+                f"`HealthChecks(clock_skew_seconds={skew!r})`: pass a non-negative number of seconds above which"
+                " host clocks count as skewed (e.g. 2.0), or None to skip the check."
             )
         self.rank_device_map = rank_device_map
         self.agreement = agreement
@@ -281,15 +292,28 @@ def _check_agreement(everyone: list[dict[str, Any]]) -> None:
             )
 
 
-def add_monitoring_defaults(trainer: Any, health_checks: Any = True) -> None:
-    """What :class:`~lightning_hybrid.HybridStrategy` adds to every run (before the loggers start): the health checks
-    unless turned off or already present, and an offline W&B run when there are no credentials."""
+def add_monitoring_defaults(trainer: Any, health_checks: Any = True, monitor: Any = True) -> None:
+    """What :class:`~lightning_hybrid.HybridStrategy` adds to every run (before the loggers start): an offline W&B
+    run when there are no credentials; the health checks unless turned off or already present; and the
+    :class:`~lightning_hybrid.monitoring.HybridMonitor` whenever the Trainer has a logger (or ``monitor`` is an
+    instance), unless ``monitor=False`` or the callbacks already hold one.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> trainer = SimpleNamespace(loggers=[], callbacks=[])
+        >>> add_monitoring_defaults(trainer, health_checks=True, monitor=True)  # no logger: no monitor
+        >>> [type(c).__name__ for c in trainer.callbacks]
+        ['HealthChecks']
+    """
+    from lightning_hybrid.monitoring.callback import HybridMonitor
     from lightning_hybrid.monitoring.loggers import use_offline_wandb_without_credentials
 
     if trainer is None:
         return
     use_offline_wandb_without_credentials(trainer.loggers)
-    if health_checks is False or any(isinstance(c, HealthChecks) for c in trainer.callbacks):
-        return
-    callback = health_checks if isinstance(health_checks, HealthChecks) else HealthChecks()
-    trainer.callbacks.append(callback)
+    if health_checks is not False and not any(isinstance(c, HealthChecks) for c in trainer.callbacks):
+        trainer.callbacks.append(health_checks if isinstance(health_checks, HealthChecks) else HealthChecks())
+    # the metrics go to the loggers: without one, only an explicitly given monitor is added (for its console line)
+    wanted = isinstance(monitor, HybridMonitor) or (monitor is not False and bool(trainer.loggers))
+    if wanted and not any(isinstance(c, HybridMonitor) for c in trainer.callbacks):
+        trainer.callbacks.append(monitor if isinstance(monitor, HybridMonitor) else HybridMonitor())

@@ -17,11 +17,59 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_hybrid.config import HybridConfigError
+
 __all__ = ["DynamicLossScaler", "LossScaleError"]
 
 
 class LossScaleError(RuntimeError):
     """Raised (on every rank alike) when gradients overflow at the minimum scale and ``on_min_scale="stop"``."""
+
+
+def _check_scaler_arguments(**values: Any) -> None:
+    """Refuse a loss-scaler setting that cannot work, naming the parameter, the value and the fix. The settings are
+    given to ``HybridPrecision(...)`` (or the Trainer's ``plugins=``); every rank builds it alike, before any
+    collective."""
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def integer(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    initial = values["initial_scale"]
+    rules = {
+        "initial_scale": (number(initial) and initial > 0, "pass a positive scale to start from, e.g. 2.0**16"),
+        "growth_factor": (
+            number(values["growth_factor"]) and values["growth_factor"] > 1,
+            "pass a factor above 1 to grow the scale by after `growth_interval` clean steps, e.g. 2.0",
+        ),
+        "backoff_factor": (
+            number(values["backoff_factor"]) and 0 < values["backoff_factor"] < 1,
+            "pass a factor between 0 and 1 (exclusive) to shrink the scale by on overflow, e.g. 0.5",
+        ),
+        "growth_interval": (
+            integer(values["growth_interval"]) and values["growth_interval"] >= 1,
+            "pass a positive integer, the clean steps before the scale grows, e.g. 1000",
+        ),
+        "hysteresis": (
+            integer(values["hysteresis"]) and values["hysteresis"] >= 1,
+            "pass a positive integer, the overflows tolerated before the scale backs off (1: back off at once), e.g. 2",
+        ),
+        "min_scale": (
+            number(values["min_scale"])
+            and 0 < values["min_scale"]
+            and (not number(initial) or values["min_scale"] <= initial),
+            f"pass a positive floor not above `initial_scale` ({initial!r}), e.g. 1.0",
+        ),
+        "on_min_scale": (
+            values["on_min_scale"] in ("warn", "stop"),
+            "pass 'warn' (skip the step and go on) or 'stop' (raise LossScaleError)",
+        ),
+    }
+    for name, (ok, fix) in rules.items():
+        if not ok:
+            raise HybridConfigError(f"Loss scaler `{name}={values[name]!r}`: {fix}.")
 
 
 class DynamicLossScaler:
@@ -52,31 +100,15 @@ class DynamicLossScaler:
         min_scale: float = 1.0,
         on_min_scale: Literal["warn", "stop"] = "warn",
     ) -> None:
-        checks = {
-            "initial_scale": initial_scale > 0,
-            "growth_factor": growth_factor > 1,
-            "backoff_factor": 0 < backoff_factor < 1,
-            "growth_interval": isinstance(growth_interval, int) and growth_interval >= 1,
-            "hysteresis": isinstance(hysteresis, int) and hysteresis >= 1,
-            "min_scale": 0 < min_scale <= initial_scale,
-            "on_min_scale": on_min_scale in ("warn", "stop"),
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            values = {
-                "initial_scale": initial_scale,
-                "growth_factor": growth_factor,
-                "backoff_factor": backoff_factor,
-                "growth_interval": growth_interval,
-                "hysteresis": hysteresis,
-                "min_scale": min_scale,
-                "on_min_scale": on_min_scale,
-            }
-            raise ValueError(
-                f"Invalid loss-scaler setting {', '.join(f'{n}={values[n]!r}' for n in bad)}: need initial_scale > 0,"
-                " growth_factor > 1, 0 < backoff_factor < 1, integer growth_interval >= 1 and hysteresis >= 1,"
-                " 0 < min_scale <= initial_scale, on_min_scale 'warn' or 'stop'."
-            )
+        _check_scaler_arguments(
+            initial_scale=initial_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            on_min_scale=on_min_scale,
+        )
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
         self.min_scale, self.on_min_scale = float(min_scale), on_min_scale
