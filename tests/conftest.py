@@ -38,8 +38,10 @@ def console_script(*args: str, timeout: float, cwd: Path = ROOT) -> subprocess.C
     scripts = str(Path(sys.executable).parent)  # the interpreter's own scripts folder, where pip put the command
     command = shutil.which("lightning-hybrid") or shutil.which("lightning-hybrid", path=scripts)
     assert command, "the `lightning-hybrid` console script is not installed (pip install -e .)"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        [command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
 
 
 def assert_clean_exit(proc: subprocess.CompletedProcess) -> None:
