@@ -20,7 +20,7 @@ from lightning_hybrid.checkpoint.io import (
     read_meta,
 )
 from lightning_hybrid.checkpoint.optimizer import optimizer_state
-from lightning_hybrid.checkpoint.tensors import dcp_ready
+from lightning_hybrid.checkpoint.tensors import dcp_ready, full_tensor
 
 __all__ = [
     "HUGGING_FACE_KEY",
@@ -31,6 +31,7 @@ __all__ = [
     "ShardedCheckpointWriter",
     "consolidate",
     "dcp_ready",
+    "full_tensor",
     "hugging_face_info",
     "load_sharded",
     "optimizer_state",
