@@ -37,7 +37,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid.agreement import computed_on_one_rank, raise_together
-from lightning_hybrid.checkpoint import LAYOUT_KEY, VERSIONS_KEY, ShardedCheckpointWriter, load_sharded, read_meta
+from lightning_hybrid.checkpoint import (
+    LAYOUT_KEY,
+    VERSIONS_KEY,
+    ShardedCheckpointWriter,
+    full_tensor,
+    load_sharded,
+    read_meta,
+)
 from lightning_hybrid.checkpoint import optimizer_state as checkpoint_optimizer_state
 from lightning_hybrid.config import HybridConfigError, ParallelLayout, check_pipeline, check_sizes
 from lightning_hybrid.data import SkipOnResume
@@ -780,7 +787,7 @@ class HybridStrategy(ParallelStrategy):
                 continue
             if isinstance(p, DTensor) and not isinstance(g, DTensor):
                 g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            out[name] = g.full_tensor() if isinstance(g, DTensor) else g
+            out[name] = full_tensor(g)  # fused projections too, on every torch of the supported range
         return out
 
     # ------------------------------------------------------------------ checkpoints

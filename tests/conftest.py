@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import subprocess
@@ -73,6 +74,53 @@ SHARED: dict[int, list[dict[str, Any]]] = {}
 _SECONDS_PER_SCENARIO = 60
 
 
+# `pytest --scenarios PATTERN[,PATTERN...]`: launch only the scenarios whose names match (fnmatch), and deselect the
+# parametrized tests that read another one; tests that name their scenarios inside are selected with -k as usual. CI
+# runs the oldest supported torch this way, on a subset.
+SCENARIO_PATTERNS: list[str] = []
+
+
+def launched(name: str) -> bool:
+    """Whether the session launches the scenario ``name`` (all of them unless ``--scenarios`` narrows it)."""
+    return not SCENARIO_PATTERNS or any(fnmatch.fnmatchcase(name, p) for p in SCENARIO_PATTERNS)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--scenarios",
+        default="",
+        help="comma-separated name patterns: launch only these multi-process scenarios (e.g. 'nanogpt-tp2,pp2-*')",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest may import this file as `conftest` while test modules import `tests.conftest`: set both copies
+    import tests.conftest as registry
+
+    patterns = [p.strip() for p in config.getoption("--scenarios").split(",") if p.strip()]
+    SCENARIO_PATTERNS[:] = registry.SCENARIO_PATTERNS[:] = patterns
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--scenarios``: deselect the tests parametrized by a scenario (or its name) the session leaves out."""
+    from tests.conftest import SHARED as registered
+
+    if not SCENARIO_PATTERNS:
+        return
+    known = {s["name"] for group in registered.values() for s in group}
+
+    def reads_left_out(item: pytest.Item) -> bool:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        names = [v["name"] if isinstance(v, dict) else v for v in params.values() if isinstance(v, (dict, str))]
+        return any(isinstance(n, str) and n in known and not launched(n) for n in names)
+
+    left_out = [item for item in items if reads_left_out(item)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
+
+
 def share(world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Add ``scenarios`` to the session's launch of ``world`` processes; returns them."""
     group = SHARED.setdefault(world, [])
@@ -95,7 +143,7 @@ def shared_groups(tmp_path_factory: pytest.TempPathFactory):
             # registered into
             from tests.conftest import SHARED as registered
 
-            scenarios = registered[world]
+            scenarios = [s for s in registered[world] if launched(s["name"])]
             timeout = max(900, _SECONDS_PER_SCENARIO * len(scenarios))
             cache[world] = launch(world, scenarios, tmp_path_factory.mktemp(f"shared{world}"), timeout=timeout)
         return cache[world]

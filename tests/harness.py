@@ -103,12 +103,9 @@ def reference_loader(dataset: TensorDataset, data_parallel_size: int, batch_size
 
 
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
+    from lightning_hybrid.checkpoint import full_tensor
 
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone().cpu()
-        for n, p in module.named_parameters()
-    }
+    return {n: full_tensor(p).detach().clone().cpu() for n, p in module.named_parameters()}
 
 
 class Recorder(L.Callback):

@@ -66,6 +66,9 @@ WORLD2 = [
     scenario("nanogpt-dp2-zero3-resume", "nanogpt", {"zero_stage": 3}, 2, resume_after=3, batch_size=16),
     scenario("nanogpt-dp2-zero1-resume", "nanogpt", {"zero_stage": 1}, 2, resume_after=3, batch_size=16),
     scenario("nanogpt-dp2-zero3-uninterrupted", "nanogpt", {"zero_stage": 3}, 2, batch_size=16),
+    # the same under tensor parallel: the fused q|k|v weight and its optimizer state go through the block view
+    scenario("nanogpt-tp2-resume", "nanogpt", {"tensor_parallel_size": 2}, 1, resume_after=3, batch_size=16),
+    scenario("nanogpt-tp2-uninterrupted", "nanogpt", {"tensor_parallel_size": 2}, 1, batch_size=16),
     # gradients clipped by the global norm (small enough to clip every step), ZeRO-2 over data
     scenario("nanogpt-dp2-zero2-clip", "nanogpt", {"zero_stage": 2}, 2, trainer={"gradient_clip_val": 0.05}),
     scenario(
@@ -207,10 +210,13 @@ def assert_resume_is_exact(resumed: dict[str, Any], whole: dict[str, Any], after
 
 
 @pytest.mark.timeout(2400)
-def test_resume_equals_the_uninterrupted_run(group2) -> None:
-    assert_resume_is_exact(
-        group2.get("nanogpt-dp2-zero3-resume"), group2.get("nanogpt-dp2-zero3-uninterrupted"), after=3
-    )
+@pytest.mark.parametrize(
+    ("resumed", "whole"),
+    [(f"nanogpt-{layout}-resume", f"nanogpt-{layout}-uninterrupted") for layout in ("dp2-zero3", "tp2")],
+    ids=["dp2-zero3", "tp2"],
+)
+def test_resume_equals_the_uninterrupted_run(group2, resumed: str, whole: str) -> None:
+    assert_resume_is_exact(group2.get(resumed), group2.get(whole), after=3)
 
 
 ZERO_REPORT = [s for s in PARITY if "zero" in s["name"] and "-ac" not in s["name"]]

@@ -14,7 +14,7 @@ from lightning_hybrid.checkpoint.consolidate import HUGGING_FACE_KEY, consolidat
 from lightning_hybrid.checkpoint.format import META_FILENAME, CheckpointError, read_meta
 from lightning_hybrid.checkpoint.io import LAYOUT_KEY, VERSIONS_KEY, ShardedCheckpointWriter, load_sharded
 from lightning_hybrid.checkpoint.optimizer import optimizer_state
-from lightning_hybrid.checkpoint.tensors import dcp_ready
+from lightning_hybrid.checkpoint.tensors import dcp_ready, full_tensor
 
 __all__ = [
     "HUGGING_FACE_KEY",
@@ -25,6 +25,7 @@ __all__ = [
     "ShardedCheckpointWriter",
     "consolidate",
     "dcp_ready",
+    "full_tensor",
     "hugging_face_info",
     "load_sharded",
     "optimizer_state",

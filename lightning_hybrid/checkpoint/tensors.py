@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["LoadPlan", "dcp_ready", "plan_load"]
+__all__ = ["LoadPlan", "dcp_ready", "full_tensor", "plan_load"]
 
 
 def _is_strided(placement: Any) -> bool:
@@ -66,6 +66,22 @@ def _unstrided(t: DTensor) -> DTensor:
 def is_fused(t: Any) -> bool:
     """Whether ``t`` is a fused projection's DTensor, which DCP sees through a ``[k, rows/k, ...]`` view."""
     return isinstance(t, DTensor) and _fused_index(t) is not None
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """``t`` whole, on every rank: ``DTensor.full_tensor()`` (a collective), also for a fused projection, which is
+    gathered through its block view (a plain ``Shard``): torch 2.11 cannot redistribute a strided shard. A plain
+    tensor is returned as it is.
+
+    Example:
+        >>> full_tensor(torch.ones(2))
+        tensor([1., 1.])
+    """
+    if not isinstance(t, DTensor):
+        return t
+    if is_fused(t):
+        return _unstrided(t).full_tensor().reshape(t.shape)
+    return t.full_tensor()
 
 
 def dcp_ready(tree: Any) -> Any:

@@ -8,10 +8,13 @@ a *fused* projection (q|k|v or gate|up stored in one Linear), is defined here.
 from __future__ import annotations
 
 import fnmatch
+from functools import partial
+from types import MethodType
 from typing import Any, Optional, Union
 
-from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_hybrid.config import HybridConfigError
@@ -53,6 +56,9 @@ class FusedColwiseParallel(ColwiseParallel):
     all of q and part of k. Here each block is split separately (DTensor's strided sharding), so every rank holds
     ``[q_r | k_r | v_r]`` and code like ``q, k, v = c_attn(x).chunk(3, dim=-1)`` stays correct.
 
+    The layer computes on its local tensors (:func:`_local_linear_forward`): the product needs no collective, and
+    torch 2.11's DTensor cannot redistribute a strided shard, which its matmul rules would ask for.
+
     Example:
         >>> style = FusedColwiseParallel(num_blocks=3)
     """
@@ -61,22 +67,46 @@ class FusedColwiseParallel(ColwiseParallel):
         super().__init__(use_local_output=use_local_output)
         self.num_blocks = num_blocks
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+    def _placement(self, dim: int) -> Any:
         # torch has no public placement for "split each of k blocks"; _StridedShard is the placement FSDP2+TP uses
-        # for exactly this layout, and full_tensor()/checkpoints see the original, unpermuted weight.
+        # for exactly this layout, and checkpoints see the original, unpermuted weight through a block view
         from torch.distributed.tensor.placement_types import _StridedShard
 
+        return _StridedShard(dim, split_factor=self.num_blocks)
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
         for pname, param in module.named_parameters():
-            placement = _StridedShard(0, split_factor=self.num_blocks)
-            dist_param = nn.Parameter(distribute_tensor(param, device_mesh, [placement]), param.requires_grad)
+            dist_param = nn.Parameter(distribute_tensor(param, device_mesh, [self._placement(0)]), param.requires_grad)
             module.register_parameter(pname, dist_param)
 
-    @staticmethod
-    def _prepare_output_fn(
-        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any
-    ) -> Any:
-        # the local block is already [q_r | k_r | v_r]: no redistribution, whatever the strided placement says
-        return outputs.to_local() if use_local_output else outputs
+    def _prepare_output(self, mod: nn.Module, outputs: Tensor, device_mesh: Any) -> Any:
+        # the local output is already [q_r | k_r | v_r]: no redistribution
+        if self.use_local_output:
+            return outputs
+        return DTensor.from_local(outputs, device_mesh, [self._placement(outputs.dim() - 1)], run_check=False)
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise HybridConfigError(
+                f"FusedColwiseParallel (the 'fused_colwise_<k>' style) splits nn.Linear layers only, not"
+                f" {type(module).__name__}. Give that module another style in `tensor_parallel_plan`."
+            )
+        input_fn = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        distribute_module(module, device_mesh, self._partition_linear_fn, input_fn, self._prepare_output)
+        module.forward = MethodType(_local_linear_forward, module)
+        return module
+
+
+def _local_linear_forward(self: nn.Linear, input: Any) -> Tensor:
+    """``nn.Linear.forward`` of a fused column-parallel layer, on local tensors: ``x @ W_r^T + b_r`` is this rank's
+    ``[q_r | k_r | v_r]``. The weight's and bias's gradients come back laid out like them; the input's gradient here
+    is this rank's heads' share only, so it is marked ``Partial`` and the input hook's DTensor sums it over the
+    tensor-parallel ranks in backward (the all-reduce a DTensor matmul would have done)."""
+    if isinstance(input, DTensor):
+        input = input.to_local(grad_placements=[Partial()] * input.device_mesh.ndim)
+    bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
+    weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+    return F.linear(input, weight, bias)
 
 
 class TensorParallelPlan:
