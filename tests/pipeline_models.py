@@ -11,10 +11,13 @@ from torch import Tensor, nn
 
 
 def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None:
-    """``posemb_gpt``: the nanoGPT example with GPT/ViT-style bare parameters on the network itself: a learned position
-    embedding ``model.pos_emb`` added before the blocks (in place of the ``wpe`` module) and a gain ``model.out_gain``
-    applied after them. ``nanogpt_rank_marker``: the nanoGPT example plus a persistent buffer that holds each rank's
-    global rank, so two ranks hold different values under one checkpoint key. None for other names."""
+    """``posemb_gpt``: the nanoGPT example with GPT/ViT-style bare parameters on the network itself: a learned
+    position embedding ``model.pos_emb`` added before the blocks (in place of the ``wpe`` module) and a gain
+    ``model.out_gain`` applied after them. ``nanogpt_tied_aux_head``: the nanoGPT example with ``lm_head`` tied to
+    ``wte`` and a second, untied vocabulary head ``aux_head`` registered after it, which the automatic
+    tensor-parallel plan takes as the output head: the tied head stays whole while the embedding is split.
+    ``nanogpt_rank_marker``: the nanoGPT example plus a persistent buffer that holds each rank's global rank, so two
+    ranks hold different values under one checkpoint key. None for other names."""
     from examples.nanogpt import GPT, NanoGPT
 
     class RootParameterGPT(GPT):
@@ -35,6 +38,24 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
             super().__init__(**kwargs)
             self.model = RootParameterGPT(self.model.config)
 
+    class AuxHeadGPT(GPT):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.aux_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+        def forward(self, idx: Tensor) -> Tensor:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+            for block in self.h:
+                x = block(x)
+            x = self.ln_f(x)
+            return self.lm_head(x) + self.aux_head(x)
+
+    class TiedAuxHead(NanoGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**{**kwargs, "tie_weights": True})
+            self.model = AuxHeadGPT(self.model.config)
+
     class RankMarker(NanoGPT):
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
@@ -43,5 +64,5 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
         def on_fit_start(self) -> None:
             self.rank_marker.fill_(float(self.global_rank))
 
-    classes = {"posemb_gpt": PosEmbGPT, "nanogpt_rank_marker": RankMarker}
+    classes = {"posemb_gpt": PosEmbGPT, "nanogpt_tied_aux_head": TiedAuxHead, "nanogpt_rank_marker": RankMarker}
     return classes[model](**kwargs) if model in classes else None

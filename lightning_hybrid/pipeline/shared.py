@@ -134,7 +134,7 @@ def find_shared_parameters(
             layouts = {h: info[:3] for h, info in sorted(holders.items())}
             if len(set(layouts.values())) > 1:
                 shown = "; ".join(
-                    f"stage rank {h} holds {'/'.join(holders[h][3])} as {shape} {dtype} {placements}"
+                    f"pipeline rank {h} holds {'/'.join(holders[h][3])} as {shape} {dtype} {placements}"
                     for h, (shape, dtype, placements) in layouts.items()
                 )
                 problems.append(f"{key!r}: {shown}")
