@@ -156,7 +156,9 @@ class ShardedCheckpointWriter:
             raise CheckpointError(
                 f"Refusing to save {path}: two ranks would write different values under one key, and the checkpoint"
                 " would keep either:\n  " + "\n  ".join(shown) + "\nEvery entry must have one owner or agree"
-                " on every rank that holds it (a buffer set per rank, or replicas that drifted apart)."
+                " on every rank that holds it: a buffer set per rank, or one each data-parallel replica updates from"
+                " its own data (BatchNorm running statistics: synchronize it over the replicas first), must not be"
+                " persistent (`register_buffer(..., persistent=False)`) or must be made equal before the save."
             )
         if is_rank_zero:
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
