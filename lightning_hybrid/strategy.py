@@ -53,13 +53,13 @@ from lightning_hybrid.monitoring.health import add_monitoring_defaults
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network, to_plain
 from lightning_hybrid.pipeline.profile import stage_costs
+from lightning_hybrid.pipeline.shared import SharedParameters, find_shared_parameters
 from lightning_hybrid.pipeline.stage import InputStub
 from lightning_hybrid.precision import PRECISIONS, HybridPrecision
 from lightning_hybrid.sharding import (
     GradientSync,
     ShardedOptimizer,
     apply_fully_shard,
-    local_grad,
     measure_model_state_bytes,
 )
 from lightning_hybrid.sharding.norm import GradientNorm
@@ -239,6 +239,7 @@ class HybridStrategy(ParallelStrategy):
         self._pipeline: Optional[PipelineRunner] = None
         self._tied_sync: Optional[Callable[[], None]] = None
         self._tied_duplicates: list[nn.Parameter] = []
+        self._shared: Optional[SharedParameters] = None
         self._gradient_norm: Optional[GradientNorm] = None
         self._parallelized: Optional[nn.Module] = None
         self.last_gradient_norm: Optional[float] = None
@@ -424,6 +425,8 @@ class HybridStrategy(ParallelStrategy):
         if split is not None:
             self._pipeline = self._build_runner(module, structure, split)
             self._tied_sync = self._tied_gradient_sync(module, structure, split)
+            if layout.zero_stage == 3:
+                dp_replicated += self._shared.loose  # in no stage's FSDP2 root: averaged over data like those left out
         self._gradient_sync = GradientSync(module, replicated, mesh["tensor"], dp_replicated, mesh["data"])
 
     def _fsdp_kwargs(self) -> dict[str, Any]:
@@ -517,34 +520,12 @@ class HybridStrategy(ParallelStrategy):
     def _tied_gradient_sync(
         self, module: pl.LightningModule, structure: ModelStructure, split: Any
     ) -> Optional[Callable[[], None]]:
-        """Weights tied across the first and last stage (input embedding = output head) live on two ranks: sum their
-        gradients between those two ranks every step so both copies take the same update (Megatron's embedding
-        group). Groups are created on every rank, in the same order, as ``new_group`` requires."""
-        first_owner, last_owner = split.plan.owner[0], split.plan.owner[-1]
-        if not structure.tied_parameters or first_owner == last_owner:
-            return None
-        mesh = self.device_mesh
-        my_group = None
-        for d in range(self.layout.data_parallel_size):
-            for t in range(self.layout.tensor_parallel_size):
-                ranks = [int(mesh.mesh[first_owner, d, t]), int(mesh.mesh[last_owner, d, t])]
-                group = torch.distributed.new_group(ranks)
-                if self.global_rank in ranks:
-                    my_group = group
-        names = {n for pair in structure.tied_parameters for n in pair}
-        params = [p for n, p in module.named_parameters(remove_duplicate=False) if n in names]
-        if not params or my_group is None:
-            return None
-        if self.device_mesh["pipeline"].get_local_rank() == last_owner:
-            self._tied_duplicates = params  # counted once in the global norm: on the first stage
-
-        def sync() -> None:
-            for p in params:
-                grad = local_grad(p)
-                if grad is not None:
-                    torch.distributed.all_reduce(grad, group=my_group)
-
-        return sync
+        """Parameters several pipeline ranks hold (tied weights on different stages, bare parameters outside every
+        stage's modules): their gradients are summed over the holders every step, and the lowest holder owns them
+        (pipeline/shared.py). Collective at set-up: every rank calls it."""
+        self._shared = shared = find_shared_parameters(module, split, structure.tied_parameters, self.device_mesh)
+        self._tied_duplicates = shared.duplicates  # counted once in the global norm: on the owning stage
+        return shared.sync if shared.groups else None
 
     def _check_unsupported(self, trainer: pl.Trainer) -> None:
         """Refuse, on every rank alike, what would silently train wrong in this release."""
@@ -806,13 +787,17 @@ class HybridStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # DTensors stay sharded: every rank saves only its own shards
         assert self.lightning_module is not None
-        return self.lightning_module.state_dict()
+        state = self.lightning_module.state_dict()
+        if self._shared is not None:  # entries another pipeline stage owns (and writes) under the same name
+            state = {k: v for k, v in state.items() if k not in self._shared.not_owned}
+        return state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         # collective under ZeRO-1/2 (each parameter's state is written by one replica): Lightning calls it on all ranks
         raw = getattr(optimizer, "_optimizer", optimizer)
-        return checkpoint_optimizer_state(self.lightning_module, raw, self._sharded_for(raw))
+        skip = self._shared.not_owned if self._shared is not None else ()
+        return checkpoint_optimizer_state(self.lightning_module, raw, self._sharded_for(raw), skip)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

@@ -53,6 +53,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
 
         module = build_bucket_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
     if module is None:
+        from tests.pipeline_models import build_pipeline_module
+
+        module = build_pipeline_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
+    if module is None:
         raise ValueError(model)
     return module
 

@@ -2,7 +2,9 @@
 
 Resharding: one 8-process group trains the nanoGPT example at (tp=2, pp=2, dp=2, ZeRO-1), saving mid-epoch at step 3,
 and goes on to step 6 (the original layout's continuation). Scenarios in the same group then load that checkpoint
-under other layouts and train steps 4-6 with the same global batch; a 1-process group loads it at (1, 1, 1).
+under other layouts (sizes, ZeRO stage, pipeline partition, virtual stages) and train steps 4-6 with the same global
+batch; a 1-process group loads it at (1, 1, 1). A second source does the same with a network that has bare
+parameters (``nn.Parameter`` on the network itself, outside every pipeline stage's modules).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ SOURCE_CKPT = f"reshard-source/*step={SAVE_AT}.ckpt"
 
 
 def _case(name: str, tp: int, pp: int, dp: int, zero: int, **extra: Any) -> dict[str, Any]:
-    strategy = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "zero_stage": zero}
+    strategy = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "zero_stage": zero,
+                **extra.pop("pipeline", {})}  # fmt: skip
     if pp > 1:
         strategy["num_microbatches"] = pp
     return {"name": name, "model": "nanogpt", "model_kwargs": RESUMED_MODEL, "strategy": strategy,
@@ -37,40 +40,63 @@ def _case(name: str, tp: int, pp: int, dp: int, zero: int, **extra: Any) -> dict
             **extra}  # fmt: skip
 
 
-SOURCE = {
-    **_case("reshard-source", 2, 2, 2, 1),
-    "model_kwargs": MODEL,
-    "resume_from": None,
-    "callbacks": [{"kind": "ModelCheckpoint", "every_n_train_steps": SAVE_AT, "save_top_k": -1}],
-}
+def _source(name: str, **extra: Any) -> dict[str, Any]:
+    return {**_case(name, 2, 2, 2, 1), "model_kwargs": MODEL, "resume_from": None,
+            "callbacks": [{"kind": "ModelCheckpoint", "every_n_train_steps": SAVE_AT, "save_top_k": -1}],
+            **extra}  # fmt: skip
+
+
+SOURCE = _source("reshard-source")
+# the same, with bare parameters on the network (tests/pipeline_models.py: a position embedding read on the first
+# stage, a gain read on the last): their weights and optimizer state must come from the stage that trains them
+ROOT_SOURCE = _source("reshard-root-source", model="posemb_gpt")
+ROOT_CKPT = f"reshard-root-source/*step={SAVE_AT}.ckpt"
+
+
+def _root_case(name: str, tp: int, pp: int, dp: int, zero: int, **extra: Any) -> dict[str, Any]:
+    return _case(name, tp, pp, dp, zero, model="posemb_gpt", resume_from=ROOT_CKPT, **extra)
+
+
 TARGETS8 = [
     _case("reshard-to-tp1-pp4-dp2", 1, 4, 2, 1),
     _case("reshard-to-tp4-pp1-dp2", 4, 1, 2, 1),
     _case("reshard-to-tp2-pp2-dp2-zero3", 2, 2, 2, 3),
     _case("reshard-to-tp1-pp2-dp4", 1, 2, 4, 1),
-]
-TARGETS = [*TARGETS8, "reshard-to-tp1-pp1-dp1"]
+    # another pipeline partition (blocks 1 + 3 instead of 2 + 2), and virtual stages (4 stages on 2 ranks)
+    _case("reshard-to-tp2-pp2-dp2-partition-1-3", 2, 2, 2, 1, pipeline={"pipeline_partition": [1, 3]}),
+    _case("reshard-to-tp1-pp2-dp4-virtual2", 1, 2, 4, 1,
+          pipeline={"pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_size": 2}),
+    _root_case("reshard-root-to-tp2-pp2-dp2", 2, 2, 2, 1),
+    _root_case("reshard-root-to-tp1-pp4-dp2-zero3", 1, 4, 2, 3),
+]  # fmt: skip
+TARGETS = [*TARGETS8, "reshard-to-tp1-pp1-dp1", "reshard-root-to-tp1-pp1-dp1"]
+TARGET_NAMES = [t if isinstance(t, str) else t["name"] for t in TARGETS]
+SOURCE_OF = {t: "reshard-root-source" if t.startswith("reshard-root-") else "reshard-source" for t in TARGET_NAMES}
 
 
-share(8, [SOURCE, *TARGETS8])  # launched with the other modules' 8-process scenarios
+share(8, [SOURCE, ROOT_SOURCE, *TARGETS8])  # launched with the other modules' 8-process scenarios
 
 
 @pytest.fixture(scope="module")
 def reshard_groups(shared_groups, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     group8 = shared_groups(8)
     out = group8.out_dir
-    checkpoint = next(out.glob(SOURCE_CKPT), None)
-    single = _case("reshard-to-tp1-pp1-dp1", 1, 1, 1, 1, resume_from=str(checkpoint))
-    group1 = launch(1, [single], tmp_path_factory.mktemp("reshard1"), timeout=300)
-    return {"source": group8, **{t["name"]: group8 for t in TARGETS8}, single["name"]: group1}
+    singles = [
+        _case("reshard-to-tp1-pp1-dp1", 1, 1, 1, 1, resume_from=str(next(out.glob(SOURCE_CKPT), None))),
+        _root_case("reshard-root-to-tp1-pp1-dp1", 1, 1, 1, 1),
+    ]
+    singles[1]["resume_from"] = str(next(out.glob(ROOT_CKPT), None))
+    group1 = launch(1, singles, tmp_path_factory.mktemp("reshard1"), timeout=300)
+    return {"source": group8, **{t["name"]: group8 for t in TARGETS8}, **{t["name"]: group1 for t in singles}}
 
 
 @pytest.mark.timeout(2400)  # the first one waits for the session's shared 8-process launch
-@pytest.mark.parametrize("target", [t if isinstance(t, str) else t["name"] for t in TARGETS])
+@pytest.mark.parametrize("target", TARGET_NAMES)
 def test_checkpoint_loads_into_another_layout(reshard_groups: dict[str, Any], target: str) -> None:
     """Saved at (tp=2, pp=2, dp=2, ZeRO-1) mid-epoch; loaded at ``target``: the first loss after loading equals the
-    original layout's loss at that step, and after 3 more steps every parameter agrees (same global batch)."""
-    original = reshard_groups["source"].get("reshard-source")
+    original layout's loss at that step, and after 3 more steps every parameter agrees (same global batch). The
+    ``-root-`` targets load a source whose network has bare parameters (position embedding, gain)."""
+    original = reshard_groups["source"].get(SOURCE_OF[target])
     resumed = reshard_groups[target].get(target)
     assert len(original["losses"]) == STEPS
     assert len(resumed["losses"]) == STEPS - SAVE_AT, "the resumed run must start at the saved step"
@@ -145,6 +171,16 @@ def safety(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         _dp2("resume-last", resume_from="last", callbacks=[_saver(directory)]),
         _dp2("async-resume", strategy={"zero_stage": 1, "async_checkpoint": True}, resume_after=3),
+        # a persistent buffer that holds each rank's rank: two values under one key, the save must refuse
+        {
+            **_dp2(
+                "error-conflicting-values",
+                steps=2,
+                expect_error=True,
+                callbacks=[{"kind": "ModelCheckpoint", "every_n_train_steps": 1, "save_top_k": -1}],
+            ),
+            "model": "nanogpt_rank_marker",
+        },
         LLAMA,
     ]
     group = launch(2, scenarios, root / "group2", timeout=400)
@@ -190,6 +226,18 @@ def test_bad_checkpoint_raises_a_clear_error_on_every_rank(safety: dict[str, Any
     assert len(errors) == 2, f"every rank must raise (got {len(errors)}):\n{errors}"
     for text in errors:
         assert text.startswith("CheckpointError") and re.search(match, text), text
+
+
+@pytest.mark.timeout(900)
+def test_save_refuses_two_values_under_one_key(safety: dict[str, Any]) -> None:
+    """Two ranks about to write different values under one key (here a buffer set to each rank's rank): DCP would
+    keep either copy silently; the save raises the same error on every rank instead, before writing anything."""
+    errors = safety["group"].expected_errors("error-conflicting-values")
+    assert len(errors) == 2, f"every rank must raise (got {len(errors)}):\n{errors}"
+    for text in errors:
+        assert text.startswith("CheckpointError: Refusing to save"), text
+        assert "`state_dict.rank_marker`: rank 0 and rank 1 hold different values" in text, text
+    assert errors[0] == errors[1]
 
 
 @pytest.mark.timeout(900)

@@ -130,6 +130,20 @@ WORLD4 = [
         ],
     ),  # fmt: skip
 ]
+# bare parameters on the network (tests/pipeline_models.py): a learned position embedding read before the blocks and
+# a gain read after them; every stage keeps them, their gradients are summed over the pipeline, the first stage owns
+# them. pp=4 also has stages that read neither, and clipping checks that the global norm counts them once.
+WORLD4 += [
+    {**scenario("posemb-pp2-dp2-zero3", "nanogpt", {**_pp(2, "1f1b", 2), "zero_stage": 3}, 2, model_kwargs=LAYERS4),
+     "model": "posemb_gpt"},
+    {**scenario("posemb-pp4-clip", "nanogpt", _pp(4, "1f1b", 4), 1, model_kwargs=LAYERS4,
+                trainer={"gradient_clip_val": 0.05}), "model": "posemb_gpt"},
+    # lm_head is tied to wte, but the automatic plan splits the later aux_head as the vocabulary head: the embedding
+    # is split on stage 0 while its tied copy stays whole on stage 1
+    {**scenario("error-tied-layouts-differ", "nanogpt",
+                {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "vocab_parallel_loss": False}, 1,
+                model_kwargs=LAYERS4, expect_error=True), "model": "nanogpt_tied_aux_head"},
+]  # fmt: skip
 WORLD8 = [
     scenario(
         f"tp2-pp2-dp2-zero{z}",
@@ -312,6 +326,23 @@ def test_bad_pipeline_configuration_raises_on_every_rank(pipeline_groups, name: 
     assert len(messages) == 2, f"expected the error on both ranks, got {messages}\n{group.log[-3000:]}"
     for message in messages:
         assert message.startswith("HybridConfigError") and re.search(match, message), message
+
+
+@pytest.mark.timeout(2400)
+def test_tied_copies_laid_out_differently_are_refused_at_set_up(pipeline_groups) -> None:
+    """tp=2 x pp=2 with a tied head that tensor parallel leaves whole while the embedding is split: summing the two
+    copies' gradients used to crash the gloo all-reduce (``gloo::EnforceNotMet``, "Connection reset by peer" on the
+    other ranks); now every rank refuses it at set-up, naming both copies and their layouts."""
+    group = pipeline_groups(4)
+    messages = group.expected_errors("error-tied-layouts-differ")
+    assert len(messages) == 4, f"expected the error on all 4 ranks, got {messages}\n{group.log[-3000:]}"
+    assert len(set(messages)) == 1, messages
+    pattern = (
+        r"HybridConfigError: Under pipeline parallel.*'model\.wte\.weight': pipeline rank 0 holds model\.wte\.weight"
+        r" as \(64, 32\) torch\.float32 \(Shard\(dim=0\),\); pipeline rank 1 holds model\.lm_head\.weight as"
+        r" \(128, 32\) torch\.float32 plain"
+    )
+    assert re.search(pattern, messages[0]), messages[0]
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ from lightning_hybrid.checkpoint.format import (
     staging_path,
 )
 from lightning_hybrid.checkpoint.optimizer import HYPERPARAMETERS_KEY, optimizer_load_targets
-from lightning_hybrid.checkpoint.tensors import dcp_ready, plan_load
+from lightning_hybrid.checkpoint.tensors import conflicting_entries, dcp_ready, plan_load
 
 if TYPE_CHECKING:
     from lightning_hybrid.sharding import ShardedOptimizer
@@ -146,14 +146,25 @@ class ShardedCheckpointWriter:
         staging = staging_path(path)
         meta = dict(meta)
         meta[OPTIMIZER_HYPERPARAMETERS_KEY] = [s.get(HYPERPARAMETERS_KEY, []) for s in optimizer_states]
+        flat = flatten_state(model_state, optimizer_states)
+        flat.update(natural_shape_entries(flat))
+        flat = dcp_ready(flat)
+        conflicts = conflicting_entries(flat)
+        if conflicts:
+            # raised on every rank alike (the check's result is shared), before any rank writes a shard
+            shown = conflicts[:8] + ([f"... and {len(conflicts) - 8} more"] if len(conflicts) > 8 else [])
+            raise CheckpointError(
+                f"Refusing to save {path}: two ranks would write different values under one key, and the checkpoint"
+                " would keep either:\n  " + "\n  ".join(shown) + "\nEvery entry must have one owner or agree"
+                " on every rank that holds it: a buffer set per rank, or one each data-parallel replica updates from"
+                " its own data (BatchNorm running statistics: synchronize it over the replicas first), must not be"
+                " persistent (`register_buffer(..., persistent=False)`) or must be made equal before the save."
+            )
         if is_rank_zero:
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
             staging.mkdir(parents=True)
             torch.save(meta, staging / META_FILENAME)
         barrier()
-        flat = flatten_state(model_state, optimizer_states)
-        flat.update(natural_shape_entries(flat))
-        flat = dcp_ready(flat)
         writer = _Writer(str(staging))
         if not self.asynchronous:
             dcp.save(flat, storage_writer=writer)

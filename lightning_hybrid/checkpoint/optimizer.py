@@ -14,7 +14,7 @@ parameters its shard overlaps (its own tensor-parallel slices) and cuts its rang
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -135,10 +135,13 @@ def _zero_state(module: nn.Module, zero: ShardedOptimizer) -> dict[str, Any]:
     return {"state": state, "master": master}
 
 
-def optimizer_state(module: nn.Module, optimizer: Optimizer, zero: Optional[ShardedOptimizer]) -> dict[str, Any]:
+def optimizer_state(
+    module: nn.Module, optimizer: Optimizer, zero: Optional[ShardedOptimizer], skip: Collection[str] = ()
+) -> dict[str, Any]:
     """The optimizer's state in the layout-free form (collective under ZeRO-1/2: call it on every rank).
 
-    Returns ``{"state": {name: {stat: tensor}}, "master": {name: tensor}, "param_groups": [hyper-parameters]}``.
+    Returns ``{"state": {name: {stat: tensor}}, "master": {name: tensor}, "param_groups": [hyper-parameters]}``,
+    without the parameters named in ``skip`` (held here, but another pipeline stage owns and writes them).
 
     Example:
         >>> # state = optimizer_state(module, optimizer, strategy._sharded_for(optimizer))
@@ -149,6 +152,8 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer, zero: Optional[Shar
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         out = {"state": dict(get_optimizer_state_dict(module, optimizer)["state"]), "master": {}}
+    for part in ("state", "master"):
+        out[part] = {name: value for name, value in out[part].items() if name not in skip}
     out[HYPERPARAMETERS_KEY] = _hyperparameters(optimizer)
     return out
 

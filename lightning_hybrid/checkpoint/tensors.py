@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["LoadPlan", "dcp_ready", "full_tensor", "plan_load"]
+__all__ = ["LoadPlan", "conflicting_entries", "dcp_ready", "full_tensor", "plan_load"]
 
 
 def _is_strided(placement: Any) -> bool:
@@ -185,3 +185,62 @@ def _copy_local_part(full: Tensor, target: Union[Tensor, DTensor]) -> None:
     for dim, (size, offset) in enumerate(zip(sizes, offsets)):
         piece = piece.narrow(dim, offset, size)
     view.to_local().copy_(piece)
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22  # elements per step of the checksum: bounds its temporaries
+
+
+def _checksum(tensor: Tensor) -> int:
+    """A bitwise checksum: the raw bits as integers weighted by position (int64 arithmetic wraps deterministically),
+    taken in chunks so a large tensor needs no full-size temporary."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    bits = flat.view(_INT_OF_WIDTH.get(flat.element_size(), torch.uint8))
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, bits.numel(), _CHUNK):
+        part = bits[start : start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), device=part.device, dtype=torch.int64) % 65521 + 1
+        total += (part * weights).sum()
+    return int(total)
+
+
+def _piece(value: Tensor) -> tuple[tuple[int, ...], Tensor]:
+    """(global offset of this rank's piece, the piece) of a tensor DCP will write."""
+    if not isinstance(value, DTensor):
+        return (0,) * value.dim(), value
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return tuple(offsets), value.to_local()
+
+
+def conflicting_entries(flat: dict[str, Any]) -> list[str]:
+    """Checkpoint keys that two ranks are about to write with different values (the same key and piece offset, other
+    bits): DCP would keep one rank's copy and drop the other, silently. Collective (one object all-gather of a
+    checksum per tensor); the same list on every rank.
+
+    Example:
+        >>> # problems = conflicting_entries(flat)  # [] when every replicated entry agrees bit for bit
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return []
+    mine = {}
+    for key, value in flat.items():
+        if isinstance(value, Tensor):
+            offsets, piece = _piece(value)
+            # the dtype belongs to the value: equal bits of another dtype are another value
+            mine[(key, offsets)] = (_checksum(piece), str(piece.dtype), tuple(piece.shape))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    first: dict[tuple[str, tuple[int, ...]], tuple[int, Any]] = {}
+    problems: dict[str, str] = {}
+    for rank, entries in enumerate(gathered):
+        for where, digest in entries.items():
+            seen = first.setdefault(where, (rank, digest))
+            if seen[1] != digest and where[0] not in problems:
+                problems[where[0]] = f"`{where[0]}`: rank {seen[0]} and rank {rank} hold different values"
+    return list(problems.values())

@@ -1,0 +1,68 @@
+"""Modules for the pipeline-ownership scenarios (tests/test_pipeline.py, tests/test_checkpoint.py): parameters that
+sit directly on the network instead of inside a module, and a module whose replicas disagree on purpose."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+
+def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None:
+    """``posemb_gpt``: the nanoGPT example with GPT/ViT-style bare parameters on the network itself: a learned
+    position embedding ``model.pos_emb`` added before the blocks (in place of the ``wpe`` module) and a gain
+    ``model.out_gain`` applied after them. ``nanogpt_tied_aux_head``: the nanoGPT example with ``lm_head`` tied to
+    ``wte`` and a second, untied vocabulary head ``aux_head`` registered after it, which the automatic
+    tensor-parallel plan takes as the output head: the tied head stays whole while the embedding is split.
+    ``nanogpt_rank_marker``: the nanoGPT example plus a persistent buffer that holds each rank's global rank, so two
+    ranks hold different values under one checkpoint key. None for other names."""
+    from examples.nanogpt import GPT, NanoGPT
+
+    class RootParameterGPT(GPT):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            del self.wpe
+            self.pos_emb = nn.Parameter(torch.randn(config.block_size, config.n_embd) * 0.02)
+            self.out_gain = nn.Parameter(1.0 + 0.1 * torch.randn(config.n_embd))
+
+        def forward(self, idx: Tensor) -> Tensor:
+            x = self.drop(self.wte(idx) + self.pos_emb[: idx.shape[1]])
+            for block in self.h:
+                x = block(x)
+            return self.lm_head(self.ln_f(x) * self.out_gain)
+
+    class PosEmbGPT(NanoGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.model = RootParameterGPT(self.model.config)
+
+    class AuxHeadGPT(GPT):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.aux_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+        def forward(self, idx: Tensor) -> Tensor:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+            for block in self.h:
+                x = block(x)
+            x = self.ln_f(x)
+            return self.lm_head(x) + self.aux_head(x)
+
+    class TiedAuxHead(NanoGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**{**kwargs, "tie_weights": True})
+            self.model = AuxHeadGPT(self.model.config)
+
+    class RankMarker(NanoGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.register_buffer("rank_marker", torch.zeros(1))
+
+        def on_fit_start(self) -> None:
+            self.rank_marker.fill_(float(self.global_rank))
+
+    classes = {"posemb_gpt": PosEmbGPT, "nanogpt_tied_aux_head": TiedAuxHead, "nanogpt_rank_marker": RankMarker}
+    return classes[model](**kwargs) if model in classes else None
