@@ -113,8 +113,9 @@ class HybridStrategy(ParallelStrategy):
             ``"per_microbatch"`` reduce-scatters and frees them after every micro-batch's backward.
         overlap_grad_reduce: at ``zero_stage=0`` without pipeline parallel (and without a ``-true`` precision's master
             weights), average the gradients over the data-parallel replicas in buckets during the step's last
-            backward pass, overlapping communication with backward as DDP does; ``False``: one all-reduce of all
-            gradients after backward.
+            backward pass, overlapping communication with backward as DDP does; at ``zero_stage=2`` without pipeline
+            parallel, reduce each bucket to the ranks that own its shard during every backward pass, so no rank holds
+            the full gradient; ``False``: one reduction of all gradients after backward.
         bucket_cap_mb: size of those buckets in MiB (DDP's ``bucket_cap_mb``; the first bucket is at most 1 MiB).
         track_gradient_norm: take the global gradient norm (before clipping) every step into
             ``strategy.last_gradient_norm`` (one pass over the gradients and a scalar all-reduce). Clipping by norm
@@ -541,7 +542,7 @@ class HybridStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         stage = self.layout.zero_stage
         # the pipeline's schedule runs every micro-batch's backward inside training_step and stashes gradients
-        # itself (pipeline/runner.py): it keeps the reduction after the last backward
+        # itself (pipeline/runner.py): it keeps the reduction after the last backward (ZeRO-2 included)
         overlap = self._overlap_grad_reduce and self.layout.pipeline_parallel_size == 1
         bucket_cap_mb = self._bucket_cap_mb if overlap else None
         for z in self._sharded_optimizers:  # a second fit on the same strategy: the old buckets stop listening
@@ -555,6 +556,8 @@ class HybridStrategy(ParallelStrategy):
                     dp_mesh=self.device_mesh["data"],
                     master_dtype=self.precision_plugin.master_dtype,
                     bucket_cap_mb=bucket_cap_mb,
+                    tensor_sync=self._gradient_sync,  # ZeRO-2 buckets apply it per bucket, before reducing
+                    parameter_order=list(self.lightning_module.parameters()),  # reversed: the order of backward
                 )
                 for opt in self.optimizers
             ]
@@ -749,7 +752,7 @@ class HybridStrategy(ParallelStrategy):
             sharded.reduce_gradients()
         if self._tied_sync is not None:
             self._tied_sync()
-        if self._gradient_sync is not None:
+        if self._gradient_sync is not None and not (sharded is not None and sharded.reduces_in_backward):
             self._gradient_sync()
         if sharded is not None and not bucketed:
             sharded.reduce_gradients()

@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_hybrid.sharding.zero import local_grad, local_tensor
+from lightning_hybrid.sharding.zero import ShardedGradientBuckets, local_grad, local_tensor
 
 
 class InjectInf(L.Callback):
     """After backward of step ``step`` (0-based), on global rank ``rank`` only, write +inf into one element of the
-    first gradient that rank holds (its local shard: a tensor-parallel slice, a stage's parameter, a ZeRO-3 shard)."""
+    first gradient that rank holds (its local shard: a tensor-parallel slice, a stage's parameter, a ZeRO-3 shard, or
+    the ZeRO-2 shard that backward reduced into)."""
 
     def __init__(self, step: int, rank: int) -> None:
         self.step, self.rank = step, rank
@@ -31,6 +32,14 @@ class InjectInf(L.Callback):
                 grad.view(-1)[0] = float("inf")
                 self.injected_into = name
                 return
+        # ZeRO-2 buckets: backward has already reduced the gradients into this rank's shard
+        for zero in getattr(trainer.strategy, "_sharded_optimizers", []):
+            if isinstance(zero.buckets, ShardedGradientBuckets):
+                shard = zero.buckets.accumulated(0)
+                if shard is not None and shard.numel() > 0:
+                    shard[0] = float("inf")
+                    self.injected_into = "ZeRO-2 gradient shard"
+                    return
         raise AssertionError(f"rank {self.rank} holds no gradient to inject into")
 
 

@@ -19,6 +19,7 @@ STEPS = 10
 BATCH = 4
 TOL = 1e-5
 BUCKET_MB = 0.01  # gradient buckets of ~10 KB: several per model in the bucket scenarios
+PEAK_BUCKET_MB = 0.25
 OVERFLOW_STEPS, OVERFLOW_AT = 5, 2
 # nanoGPT without biases: the key bias has an exactly zero gradient (softmax is shift-invariant per query), so Adam
 # turns rounding noise there into full-size steps and any change of summation order, even DDP's, shows up at 1e-4.
@@ -93,6 +94,23 @@ WORLD2 = [
                 {"zero_stage": 0, "bucket_cap_mb": BUCKET_MB, "track_gradient_norm": True}, 2, steps=OVERFLOW_STEPS,
                 precision_plugin={"precision": "16-mixed", "hysteresis": 1, "initial_scale": 2.0**10},
                 inject_inf={"step": OVERFLOW_AT, "rank": 1}, probe=True), "model": "nanogpt_scheduled"},
+    # ZeRO-2: every backward pass reduces its buckets into the owners' shards (accumulation adds into the shard)
+    scenario("nanogpt-dp2-zero2-buckets-accum", "nanogpt", {"zero_stage": 2, "bucket_cap_mb": BUCKET_MB}, 2,
+             trainer={"accumulate_grad_batches": 2}),
+    # a parameter used on data rank 0 only: rank 1 holds its bucket (and the later ones) back until backward ends
+    {**scenario("nanogpt-dp2-zero2-buckets-gated", "nanogpt", {"zero_stage": 2, "bucket_cap_mb": BUCKET_MB}, 2,
+                trainer={"accumulate_grad_batches": 2}), "model": "nanogpt_gated"},
+    {**scenario("nanogpt-dp2-zero2-buckets-manual", "nanogpt", {"zero_stage": 2, "bucket_cap_mb": BUCKET_MB}, 2),
+     "model": "nanogpt_manual"},
+    {**scenario("nanogpt-dp2-zero2-buckets-overflow", "nanogpt",
+                {"zero_stage": 2, "bucket_cap_mb": BUCKET_MB, "track_gradient_norm": True}, 2, steps=OVERFLOW_STEPS,
+                precision_plugin={"precision": "16-mixed", "hysteresis": 1, "initial_scale": 2.0**10},
+                inject_inf={"step": OVERFLOW_AT, "rank": 1}, probe=True), "model": "nanogpt_scheduled"},
+    # peak gradient memory during backward + reduction (tests/bucket_models.py PeakGradientBytes): a nanoGPT whose
+    # weights dwarf its activations (batch 1), buckets of ~0.25 MiB, two micro-batches per step
+    *[scenario(f"nanogpt-dp2-zero{z}-peak", "nanogpt", {"zero_stage": z, "bucket_cap_mb": PEAK_BUCKET_MB}, 2,
+               steps=3, batch_size=1, trainer={"accumulate_grad_batches": 2}, peak_memory=True,
+               model_kwargs={"n_embd": 128, "n_layer": 8}) for z in (0, 2)],
 ]  # fmt: skip
 WORLD4 = [
     *[
@@ -112,12 +130,16 @@ WORLD4 = [
         for z in (3, 0)
     ],
     # buckets of DTensor (tensor-parallel) gradients, with accumulation
-    scenario("nanogpt-tp2-dp2-zero0-buckets-accum", "nanogpt",
-             {"tensor_parallel_size": 2, "zero_stage": 0, "bucket_cap_mb": BUCKET_MB}, 2,
-             trainer={"accumulate_grad_batches": 2}),
+    *[scenario(f"nanogpt-tp2-dp2-zero{z}-buckets-accum", "nanogpt",
+               {"tensor_parallel_size": 2, "zero_stage": z, "bucket_cap_mb": BUCKET_MB}, 2,
+               trainer={"accumulate_grad_batches": 2}) for z in (0, 2)],
 ]  # fmt: skip
-# fp16 runs are not compared with the fp32 single-process run
-PARITY = [s for s in WORLD2 + WORLD4 if not s.get("expect_error") and not s.get("precision_plugin")]
+# fp16 runs are not compared with the fp32 single-process run; the peak-memory runs are measured only
+PARITY = [
+    s
+    for s in WORLD2 + WORLD4
+    if not s.get("expect_error") and not s.get("precision_plugin") and not s.get("peak_memory")
+]
 
 
 share(2, WORLD2)
@@ -270,36 +292,75 @@ BUCKETED = [s for s in WORLD2 + WORLD4 if "-buckets-" in s["name"]]
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("scenario", BUCKETED, ids=[s["name"] for s in BUCKETED])
 def test_gradient_buckets_reduce_during_backward(request: pytest.FixtureRequest, scenario: dict[str, Any]) -> None:
-    """Parity is checked above; here: several buckets, each all-reduced exactly once per optimizer step (never for
-    an accumulation batch), and some of them started from a gradient hook while backward was still running
-    (automatic optimization)."""
+    """Parity is checked above; here: several buckets, each reduced exactly once per optimizer step at ZeRO-0 (never
+    for an accumulation batch) and once per backward pass at ZeRO-2 (accumulation adds into the shard), and some of
+    them started from a gradient hook while backward was still running (automatic optimization; at ZeRO-2 also
+    manual, since every backward pass reduces)."""
     result, _ = _result_and_reference(request, scenario)
+    zero2 = scenario["strategy"]["zero_stage"] == 2
+    passes = scenario["steps"] * (scenario.get("trainer", {}).get("accumulate_grad_batches", 1) if zero2 else 1)
     started_in_backward = []
     for rank, record in enumerate(result["per_rank"]):
         (buckets,) = record["gradient_buckets"]  # one optimizer
         assert len(buckets) >= 4, f"rank {rank}: {buckets}"
-        assert all(b["launches"] == scenario["steps"] for b in buckets), f"rank {rank}: {buckets}"
-        if scenario["model"] == "nanogpt_manual":
+        assert all(b["launches"] == passes for b in buckets), f"rank {rank}: {buckets}"
+        if scenario["model"] == "nanogpt_manual" and not zero2:
             # manual optimization: backward runs before optimizer.step(), the buckets are reduced in the step
             assert all(b["in_backward"] == 0 for b in buckets), f"rank {rank}: {buckets}"
             continue
-        # the last layers' gradients come first in backward: their bucket completes and starts at once every step
-        assert buckets[0]["in_backward"] == scenario["steps"], f"rank {rank}: {buckets}"
+        # the last layers' gradients come first in backward: their bucket completes and starts at once every pass
+        assert buckets[0]["in_backward"] == passes, f"rank {rank}: {buckets}"
         started_in_backward.append([b["in_backward"] for b in buckets])
     if scenario["model"] == "nanogpt_unused":
         # `unused` (in model.h[0]) never reports, so its bucket and every later one start when backward ends, on
-        # every rank; `gated` (model.h[1]) reports on rank 0 only, so rank 1 starts fewer buckets early, and rank 0's
-        # early ones match rank 1's late ones (the losses above would hang or differ otherwise)
+        # every rank
         assert all(counts[-1] == 0 for counts in started_in_backward), started_in_backward
+    if scenario["model"] in ("nanogpt_unused", "nanogpt_gated"):
+        # `gated` (model.h[1]) reports on rank 0 only, so rank 1 starts fewer buckets early, and rank 0's early ones
+        # match rank 1's late ones (the losses above would hang or differ otherwise)
         assert sum(started_in_backward[0]) > sum(started_in_backward[1]), started_in_backward
 
 
+PEAK = [s for s in WORLD2 if s.get("peak_memory")]
+
+
 @pytest.mark.timeout(2400)
-def test_overflow_in_bucketed_gradients_skips_the_step_on_every_rank(group2) -> None:
-    """fp16 loss scaling with ZeRO-0 buckets: the overflow written into one rank's (already reduced) gradients is
-    agreed on by both ranks, the step is skipped (parameters and optimizer state unchanged, gradients discarded),
-    the scale halves, and training goes on from fresh gradients."""
-    per_rank = group2.get("nanogpt-dp2-zero0-buckets-overflow")["probe"]
+def test_zero2_peak_gradient_memory_is_a_shard_plus_the_buckets_in_flight(group2) -> None:
+    """The high point of live gradient bytes during each step's two backward passes and the reduction (measured by
+    PeakGradientBytes, which counts every tensor written in that window), on every rank.
+
+    ZeRO-2 holds at most its shard (1/dp of the gradient) plus the buckets in use: MAX_IN_FLIGHT buckets being
+    reduced, the one filling, and autograd's gradient of the parameter being added (freed by its hook), each at most
+    the largest bucket. The bound below is that, plus 10% of the full gradient for the second micro-batch's
+    activations and the activation gradients. ZeRO-0 (the same buckets,
+    all-reduced) holds the full gradient, which checks that the probe sees gradient memory at all; the code before
+    this ZeRO-2 path held the full gradient plus a flat copy of it (about 2.5x the full gradient at dp=2)."""
+    from lightning_hybrid.sharding import ShardedGradientBuckets
+
+    zero0, zero2 = (group2.get(s["name"]) for s in PEAK)
+    dp = zero2["layout"]["data_parallel_size"]
+    for rank, (record0, record2) in enumerate(zip(zero0["per_rank"], zero2["per_rank"])):
+        full = 4 * record2["local_numel"]  # fp32 gradient of every parameter
+        (buckets,) = record2["gradient_buckets"]
+        largest = max((b["bytes"] for b in buckets), default=0)
+        bound = full / dp + (ShardedGradientBuckets.MAX_IN_FLIGHT + 2) * largest + 0.1 * full
+        peaks0, peaks2 = record0["peak_gradient_bytes"], record2["peak_gradient_bytes"]
+        assert len(peaks2) == len(peaks0) == PEAK[1]["steps"], (peaks0, peaks2)
+        assert min(peaks0) >= full, f"rank {rank}: ZeRO-0 peak {peaks0} below the full gradient {full}"
+        assert max(peaks2) <= bound, (
+            f"rank {rank}: ZeRO-2 peak gradient bytes {peaks2}, bound {bound:.0f} (full gradient {full}, dp {dp},"
+            f" largest bucket {largest})"
+        )
+        assert bound < full, f"the bound {bound:.0f} must be below the full gradient {full} to mean anything"
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_overflow_in_bucketed_gradients_skips_the_step_on_every_rank(group2, stage: int) -> None:
+    """fp16 loss scaling with ZeRO-0 buckets (ZeRO-2: the shard backward reduced into): the overflow written into one
+    rank's (already reduced) gradients is agreed on by both ranks, the step is skipped (parameters and optimizer
+    state unchanged, gradients discarded), the scale halves, and training goes on from fresh gradients."""
+    per_rank = group2.get(f"nanogpt-dp2-zero{stage}-buckets-overflow")["probe"]
     assert len(per_rank) == 2
     k = OVERFLOW_AT
     for rank, steps in enumerate(per_rank):

@@ -48,6 +48,12 @@ def run(scenario: dict, out_dir: Path) -> None:
             recorder.data_group, recorder.data_size = data.get_group(), data.size()
 
     trainer.callbacks.insert(0, _Bind())
+    peak = None
+    if scenario.get("peak_memory"):
+        from tests.bucket_models import PeakGradientBytes
+
+        peak = PeakGradientBytes()
+        trainer.callbacks.insert(0, peak)  # ahead of the recorder, whose first-step gradient gather is no gradient
     counter = _CollectiveCounter(strategy) if scenario.get("count_collectives") else None
     if counter is not None:
         trainer.callbacks.append(counter)
@@ -135,6 +141,7 @@ def run(scenario: dict, out_dir: Path) -> None:
             "local_numel": result["local_numel"],
             "sampler": result["sampler"],
             "gradient_buckets": strategy.gradient_buckets,
+            "peak_gradient_bytes": peak.peaks if peak is not None else None,
         },
     )
     result["per_rank"] = gathered

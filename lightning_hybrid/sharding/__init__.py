@@ -4,6 +4,7 @@ from lightning_hybrid.sharding.memory import expected_model_state_bytes, measure
 from lightning_hybrid.sharding.zero import (
     GradientBuckets,
     GradientSync,
+    ShardedGradientBuckets,
     ShardedOptimizer,
     apply_fully_shard,
     local_grad,
@@ -13,6 +14,7 @@ from lightning_hybrid.sharding.zero import (
 __all__ = [
     "GradientBuckets",
     "GradientSync",
+    "ShardedGradientBuckets",
     "ShardedOptimizer",
     "apply_fully_shard",
     "expected_model_state_bytes",

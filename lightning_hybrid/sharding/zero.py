@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GradientBuckets",
     "GradientSync",
+    "ShardedGradientBuckets",
     "ShardedOptimizer",
     "apply_fully_shard",
     "local_grad",
@@ -134,6 +135,26 @@ class GradientSync:
             else:
                 dist.all_reduce(flat, group=group)
             _unflatten_into([local_grad(p) for p in params], flat)
+
+    @torch.no_grad()
+    def sync_views(self, params: list[nn.Parameter], views: list[Tensor]) -> None:
+        """The tensor-parallel part of :meth:`__call__` on gradients held elsewhere than ``p.grad``: ``views[i]`` is
+        ``params[i]``'s (flat) gradient, e.g. in a ZeRO-2 bucket before its data-parallel reduction. All ranks of a
+        tensor-parallel group must pass the same parameters in the same order."""
+        if self.tp_mesh is None or self.tp_mesh.size() == 1:
+            return
+        group = self.tp_mesh.get_group()
+        for op, members in self.buckets.items():
+            ids = {id(p) for p in members}
+            chosen = [v for p, v in zip(params, views) if id(p) in ids]
+            if not chosen:
+                continue
+            flat = torch.cat([v.reshape(-1) for v in chosen])
+            if op == "avg":
+                _all_reduce_mean(flat, group, self.tp_mesh.size())
+            else:
+                dist.all_reduce(flat, group=group)
+            _unflatten_into(chosen, flat)
 
 
 def _unflatten_into(targets: list[Tensor], flat: Tensor) -> None:
@@ -358,6 +379,265 @@ class GradientBuckets:
         ]
 
 
+def _nominal_bytes(p: nn.Parameter) -> int:
+    """Bytes of ``p``'s local tensor as every tensor-parallel rank computes it alike (the global size over the number
+    of shards): bucket boundaries drawn from it are the same on all those ranks, so per-bucket tensor-parallel
+    collectives match even where an uneven split would give ranks different local sizes."""
+    local = local_tensor(p)
+    if not isinstance(p, DTensor):
+        return local.numel() * local.element_size()
+    shards = 1
+    for dim, placement in enumerate(p.placements):
+        if not placement.is_replicate() and not placement.is_partial():
+            shards *= p.device_mesh.size(dim)
+    return p.numel() // shards * local.element_size()
+
+
+class _ShardBucket:
+    """A contiguous range ``[start, end)`` of one flat group (whole parameters), reduced to the owners of its
+    elements (the data-parallel ranks whose shards it overlaps) once every parameter in it has reported."""
+
+    def __init__(self, index: int, group: int, params: list[nn.Parameter], start: int, shard: int, dp: int) -> None:
+        self.index, self.group, self.params, self.start = index, group, params, start
+        self.spans: list[tuple[int, int]] = []  # each parameter's range, relative to start
+        offset = 0
+        for p in params:
+            n = local_tensor(p).numel()
+            self.spans.append((offset, offset + n))
+            offset += n
+        self.numel = offset
+        end = start + offset
+        # (data rank, flat start, flat stop): the pieces of the range inside each rank's shard
+        self.pieces = [
+            (q, max(start, q * shard), min(end, (q + 1) * shard))
+            for q in range(dp)
+            if max(start, q * shard) < min(end, (q + 1) * shard)
+        ]
+        self.buffer: Optional[Tensor] = None  # allocated when the pass's first gradient arrives, freed once reduced
+        self.reported: set[int] = set()
+        self.handles: list[Any] = []
+        self.launches = 0
+        self.launched_in_backward = 0
+
+
+class ShardedGradientBuckets:
+    """ZeRO-2 gradient reduction in buckets during every backward pass, so that no rank holds more than its gradient
+    shard plus the buckets in flight (DeepSpeed's stage 2 design, with DDP's bucket order):
+
+    * each parameter group's flat buffer (the ZeRO-1/2 layout: rank ``d`` owns the contiguous slice ``d``) is cut
+      into buckets of whole parameters, of about ``bucket_cap_mb``, in reverse order (the first at most 1 MiB);
+    * a post-accumulate-grad hook adds a parameter's gradient into its bucket (in the shard's dtype: fp32 under
+      '-true' precisions) and frees autograd's tensor (``p.grad = None``);
+    * once every parameter of the next bucket has reported, its pieces are reduced, asynchronously, to the ranks
+      whose shards hold them (``dist.reduce``: one collective per owner, usually one per bucket). Buckets start in
+      order on every rank; at most ``MAX_IN_FLIGHT`` are in flight: starting one more first waits for the oldest,
+      which its owner adds into its shard accumulator and every rank frees. The rest start when backward ends. So
+      a rank holds its shard plus at most ``MAX_IN_FLIGHT + 1`` bucket buffers (those in flight and the one
+      filling) and autograd's gradient of the parameter being added;
+    * every backward pass reduces, gradient-accumulation passes included, and adds into the shard accumulator (as
+      DeepSpeed's stage 2 does): keeping the full gradient between micro-batches would be ZeRO-1's memory.
+      :meth:`take` hands the accumulated shard to the optimizer at the step.
+
+    A dist.reduce to the owner keeps the shard layout of stage 1 (and of checkpoints); a reduce-scatter per bucket
+    would give each rank a slice of every bucket instead (Megatron's layout).
+
+    ``tensor_sync``: the :class:`GradientSync` of tensor-parallel replicated parameters, run on each bucket before it
+    is reduced (the full gradients are gone after backward; the sync is linear, so per micro-batch is exact).
+    ``parameter_order``: the model's parameters in registration order (``module.parameters()``), whose reverse is
+    the order backward produces their gradients; by default the optimizer groups' order.
+
+    Example:
+        >>> # buckets = ShardedGradientBuckets(zero.groups, group=dp_group, dp=2, dp_rank=0, bucket_cap_mb=25)
+        >>> # loss.backward()                 # buckets reduced to their owners as backward runs
+        >>> # shard = buckets.take(0)         # the accumulated (summed, not yet averaged) shard of group 0
+    """
+
+    FIRST_BUCKET_BYTES = 2**20
+    MAX_IN_FLIGHT = 2
+
+    def __init__(
+        self,
+        groups: list[_FlatGroup],
+        *,
+        group: Any,
+        dp: int,
+        dp_rank: int,
+        bucket_cap_mb: float,
+        dtype: Optional[torch.dtype] = None,
+        tensor_sync: Optional[GradientSync] = None,
+        parameter_order: Optional[list[nn.Parameter]] = None,
+    ) -> None:
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.group, self.dp, self.dp_rank, self.tensor_sync = group, dp, dp_rank, tensor_sync
+        self.flat_groups = groups
+        cap = int(bucket_cap_mb * 2**20)
+        limit = min(cap, self.FIRST_BUCKET_BYTES)
+        where = {id(p): (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g.params)}
+        offsets = []
+        for g in groups:
+            offsets.append([0])
+            for p in g.params:
+                offsets[-1].append(offsets[-1][-1] + local_tensor(p).numel())
+        # the model's order, reversed, is the order backward produces gradients; optimizer groups (decay / no decay)
+        # interleave in it, so a bucket is a run of parameters adjacent both there and in one group's flat buffer
+        known = {id(p) for p in parameter_order or []}
+        order = [p for g in groups for p in g.params if id(p) not in known]  # not in the model: reported last
+        order += [p for p in dict.fromkeys(parameter_order or []) if id(p) in where]
+        self.buckets: list[_ShardBucket] = []
+        current: list[int] = []  # indices into one group's parameters, in reverse
+        current_group, size = -1, 0
+
+        def close() -> None:
+            nonlocal current, size, limit
+            if current:
+                first = current[-1]
+                params = [groups[current_group].params[i] for i in reversed(current)]
+                start = offsets[current_group][first]
+                shard = groups[current_group].shard_size
+                self.buckets.append(_ShardBucket(len(self.buckets), current_group, params, start, shard, dp))
+                current, size, limit = [], 0, cap
+
+        for p in reversed(order):
+            gi, i = where[id(p)]
+            if current and (gi != current_group or i != current[-1] - 1):
+                close()
+            current_group = gi
+            current.append(i)
+            size += _nominal_bytes(p)
+            if size >= limit:  # DDP's rule: a bucket closes once it reaches the cap (a larger parameter fills one)
+                close()
+        close()
+        self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        first = next((p for g in groups for p in g.params), None)
+        self.dtype = dtype or (local_tensor(first).dtype if first is not None else torch.float32)
+        self.device = local_tensor(first).device if first is not None else torch.device("cpu")
+        self._accumulators: list[Optional[Tensor]] = [None] * len(groups)
+        self._next = 0
+        self._in_flight: list[_ShardBucket] = []
+        self._callback_queued = False
+        self.passes = 0  # backward passes reduced (one per micro-batch)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._slot_params()]
+
+    def _slot_params(self) -> list[nn.Parameter]:
+        return list({id(p): p for b in self.buckets for p in b.params}.values())
+
+    @property
+    def bucket_bytes(self) -> list[int]:
+        """Bytes of each bucket's buffer while it is in use."""
+        return [b.numel * torch.empty((), dtype=self.dtype).element_size() for b in self.buckets]
+
+    def arm(self) -> None:
+        """Nothing to do: every backward pass reduces (see the class notes)."""
+
+    def _buffer(self, b: _ShardBucket) -> Tensor:
+        if b.buffer is None:
+            b.buffer = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
+        return b.buffer
+
+    @torch.no_grad()
+    def _on_gradient(self, p: nn.Parameter) -> None:
+        b, i = self._slot[id(p)]
+        if b.handles:
+            raise RuntimeError(
+                "A parameter's gradient was accumulated again after its bucket's reduction had started (the"
+                " parameter takes part in two backward graphs of one pass, e.g. reentrant activation checkpointing)."
+                " Use non-reentrant checkpointing, or HybridStrategy(overlap_grad_reduce=False)."
+            )
+        g = _autograd_local_grad(p)
+        if g is None:
+            return
+        lo, hi = b.spans[i]
+        self._buffer(b)[lo:hi].add_(g.reshape(-1))  # casts to the shard's dtype (fp32 under '-true' precisions)
+        p.grad = None  # the bucket holds it now: autograd's tensor is freed at once
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        b.reported.add(i)
+        while self._next < len(self.buckets) and len(self.buckets[self._next].reported) == len(
+            self.buckets[self._next].params
+        ):
+            self._launch(self.buckets[self._next], in_backward=True)
+
+    @torch.no_grad()
+    def _launch(self, b: _ShardBucket, *, in_backward: bool) -> None:
+        while len(self._in_flight) >= self.MAX_IN_FLIGHT:  # bound the memory: the oldest finishes first
+            self._settle(self._in_flight.pop(0))
+        buffer = self._buffer(b)  # a parameter that got no gradient on this rank contributes zeros
+        if self.tensor_sync is not None:
+            self.tensor_sync.sync_views(b.params, [buffer[lo:hi] for lo, hi in b.spans])
+        for q, lo, hi in b.pieces:
+            dst = dist.get_global_rank(self.group, q)
+            piece = buffer[lo - b.start : hi - b.start]
+            b.handles.append(dist.reduce(piece, dst, group=self.group, async_op=True))
+        b.launches += 1
+        b.launched_in_backward += int(in_backward)
+        self._next += 1
+        self._in_flight.append(b)
+
+    def _settle(self, b: _ShardBucket) -> None:
+        """Wait for the bucket's reductions; the owner adds its piece into its shard; the buffer is freed."""
+        for handle in b.handles:
+            handle.wait()
+        b.handles = []
+        shard = self.flat_groups[b.group].shard_size
+        base = self.dp_rank * shard
+        for q, lo, hi in b.pieces:
+            if q == self.dp_rank and b.buffer is not None:
+                acc = self._accumulators[b.group]
+                if acc is None:
+                    acc = self._accumulators[b.group] = torch.zeros(shard, dtype=self.dtype, device=self.device)
+                acc[lo - base : hi - base].add_(b.buffer[lo - b.start : hi - b.start])
+        b.buffer = None
+        b.reported.clear()
+
+    @torch.no_grad()
+    def _end_of_backward(self) -> None:
+        for b in self.buckets[self._next :]:
+            self._launch(b, in_backward=False)
+        while self._in_flight:
+            self._settle(self._in_flight.pop(0))
+        self._next, self._callback_queued = 0, False
+        self.passes += 1
+
+    def accumulated(self, index: int) -> Optional[Tensor]:
+        """The shard of flat group ``index`` accumulated so far this step (None before the first backward pass)."""
+        return self._accumulators[index]
+
+    def take(self, index: int) -> Tensor:
+        """The shard of flat group ``index`` summed over the data-parallel ranks and over every backward pass since
+        the last call (zeros if none ran); the buckets start accumulating a new one."""
+        acc = self._accumulators[index]
+        self._accumulators[index] = None
+        if acc is None:
+            acc = torch.zeros(self.flat_groups[index].shard_size, dtype=self.dtype, device=self.device)
+        return acc
+
+    def reset(self) -> None:
+        """Forget the step (a skipped step, or an error inside it): nothing in flight, nothing accumulated."""
+        for b in self.buckets:
+            for handle in b.handles:
+                handle.wait()
+            b.handles, b.buffer = [], None
+            b.reported.clear()
+        self._in_flight, self._next, self._callback_queued = [], 0, False
+        self._accumulators = [None] * len(self.flat_groups)
+
+    def remove_hooks(self) -> None:
+        """Stop receiving gradients (the optimizer is being replaced)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def stats(self) -> list[dict[str, int]]:
+        """Per bucket: parameters, bytes, reductions started (one per backward pass) and how many started inside
+        backward."""
+        return [
+            {"params": len(b.params), "bytes": n, "launches": b.launches, "in_backward": b.launched_in_backward}
+            for b, n in zip(self.buckets, self.bucket_bytes)
+        ]
+
+
 @dataclass
 class _FlatGroup:
     params: list[nn.Parameter]
@@ -374,9 +654,12 @@ class ShardedOptimizer:
     dtype (sharded at stage 1/2, whole at stage 0) and every micro-batch's gradient is added into a flat fp32 buffer
     (``p.main_grad``, as in Megatron) right after autograd produces it, so accumulation is in fp32 too.
 
-    ``bucket_cap_mb``: at stage 0 without master weights and with more than one replica, reduce the gradients in
+    ``bucket_cap_mb``: with more than one replica, at stage 0 without master weights, reduce the gradients in
     :class:`GradientBuckets` of that size, overlapped with the step's last backward pass (``buckets``; the caller
-    arms them before that pass). ``None``: one flat all-reduce after the last backward pass.
+    arms them before that pass); at stage 2, reduce every backward pass's gradients into this rank's shard in
+    :class:`ShardedGradientBuckets` (so the full gradient never exists; ``tensor_sync`` is then applied per bucket,
+    and ``parameter_order``, the model's parameters in registration order, gives the buckets backward's order).
+    ``None`` (and stage 1): one flat reduction after the last backward pass.
 
     Example:
         >>> # strategy code, after configure_optimizers:
@@ -392,6 +675,8 @@ class ShardedOptimizer:
         dp_mesh: DeviceMesh,
         master_dtype: Optional[torch.dtype] = None,
         bucket_cap_mb: Optional[float] = None,
+        tensor_sync: Optional[GradientSync] = None,
+        parameter_order: Optional[list[nn.Parameter]] = None,
     ) -> None:
         assert stage in (0, 1, 2)
         self.optimizer = optimizer
@@ -419,19 +704,39 @@ class ShardedOptimizer:
             self.groups.append(_FlatGroup(params, numel, shard, master))
         if self.uses_masters:
             optimizer.state.clear()  # state of full parameters (if any) no longer matches the shards
-        self.accumulates_in_fp32 = master_dtype is not None
+        # ZeRO-2 reduces in buckets during every backward pass (ShardedGradientBuckets), in the shard's dtype
+        zero2_buckets = bucket_cap_mb is not None and stage == 2 and self.dp > 1 and bool(self.model_parameters)
+        # otherwise low-precision gradients are added into a full-size fp32 buffer as they come (p.main_grad)
+        self.accumulates_in_fp32 = master_dtype is not None and not zero2_buckets
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         if self.accumulates_in_fp32:
             for p in self.model_parameters:
                 p.register_post_accumulate_grad_hook(self._fold)
-        self.buckets: Optional[GradientBuckets] = None
-        if bucket_cap_mb is not None and not self.uses_masters and self.dp > 1 and self.model_parameters:
+        self.buckets: Optional[GradientBuckets | ShardedGradientBuckets] = None
+        if zero2_buckets:
+            self.buckets = ShardedGradientBuckets(
+                self.groups,
+                group=self.group,
+                dp=self.dp,
+                dp_rank=self.dp_rank,
+                bucket_cap_mb=bucket_cap_mb,
+                dtype=next(g.master.dtype for g in self.groups if g.master is not None),
+                tensor_sync=tensor_sync,
+                parameter_order=parameter_order,
+            )
+        elif bucket_cap_mb is not None and not self.uses_masters and self.dp > 1 and self.model_parameters:
             self.buckets = GradientBuckets(
                 list({id(p): p for p in self.model_parameters}.values()),
                 group=self.group,
                 dp=self.dp,
                 bucket_cap_mb=bucket_cap_mb,
             )
+
+    @property
+    def reduces_in_backward(self) -> bool:
+        """Whether backward itself reduces the gradients into this rank's shard (ZeRO-2 buckets): afterwards no
+        parameter holds a gradient, and the tensor-parallel sync has been applied bucket by bucket."""
+        return isinstance(self.buckets, ShardedGradientBuckets)
 
     def _padded(self, shard: int) -> int:
         return shard * self.dp if self.sharded else shard
@@ -486,6 +791,13 @@ class ShardedOptimizer:
         """Average gradients over the data-parallel group, once per optimizer step."""
         self.fold_gradients()
         self._flat_grads = []
+        if isinstance(self.buckets, ShardedGradientBuckets):
+            # backward has reduced every pass into this rank's shard: average it
+            for i, g in enumerate(self.groups):
+                if g.master is not None:
+                    g.master.grad = self.buckets.take(i).div_(self.dp)
+                self._flat_grads.append(None)
+            return
         if self.buckets is not None:
             self.buckets.reduce()  # usually done already, at the end of the armed backward pass
             return
@@ -584,7 +896,7 @@ class ShardedOptimizer:
 
     def gradient_bytes(self) -> int:
         """Bytes of gradients this rank holds at the step (full, reduced-shard or fp32 accumulation buffer)."""
-        if self.buckets is not None:
+        if isinstance(self.buckets, GradientBuckets):
             # kept between steps, as DDP's buckets; the gradients are views of them (the few used-flag elements after
             # them are bookkeeping, not gradients)
             return sum(sum(v.numel() for v in b.views) * b.buffer.element_size() for b in self.buckets.buckets)
