@@ -899,25 +899,23 @@ class HybridStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         """Leave nothing running: also after an exception (Lightning tears down then too), every step below runs, and
-        the first error is raised at the end. Nothing here is collective: after an error, other ranks may not come."""
+        the first error is raised at the end. Nothing here is collective: after an error, other ranks may not come.
+        The process groups themselves are destroyed at exit (see ``setup_environment``)."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         if self.lightning_module is not None and getattr(self, "_example_input_array", None) is not None:
             self.lightning_module.example_input_array = self._example_input_array
         if self.lightning_module is not None:
             self.lightning_module.__dict__.pop("lr_scheduler_step", None)  # see _hold_schedulers_on_skipped_steps
+        # Bucket all-reduces are in flight only if a step raised; they are not waited for here, since the peers may
+        # never join them (a wait would then block until the collective timeout instead of letting the job end).
         try:
-            for z in self._sharded_optimizers:
-                if z.buckets is not None:
-                    z.buckets.reset()  # a step that raised may have left bucket all-reduces in flight: wait for them
+            # the end of training waits for a background checkpoint save, then destroys the save's own group
+            self._checkpoint_writer.close()
         finally:
-            try:
-                # the end of training waits for a background checkpoint save, then destroys the save's own group
-                self._checkpoint_writer.close()
-            finally:
-                self.cluster_environment.teardown()
-                self.precision_plugin.teardown()
-                self.accelerator.teardown()
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
 
     @classmethod
     @override
