@@ -227,6 +227,33 @@ def test_async_save_under_tensor_parallel_resumes_exactly(safety: dict[str, Any]
     _assert_continues_reference(result, reference, start=0)
 
 
+def test_dcp_ready_dtensor_views_deep_copy_and_alias_the_live_memory() -> None:
+    """One process: a DTensor over a view into a flat buffer at an offset (a ZeRO shard's piece) cannot be deep-copied
+    as torch builds it (what DCP's async staging does); ``dcp_ready``'s version can, and still writes through."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_hybrid.checkpoint.tensors import dcp_ready
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        flat = torch.arange(100.0)
+        piece = DTensor.from_local(flat[40:64].view(6, 4), mesh, [Shard(0)], run_check=False, shape=(6, 4),
+                                   stride=(4, 1))  # fmt: skip
+        with pytest.raises(RuntimeError, match="invalid python storage"):
+            copy.deepcopy(piece)  # torch's own limit: the reason for the re-wrap
+        ready = dcp_ready({"w": piece})["w"]
+        assert torch.equal(copy.deepcopy(ready).to_local(), flat[40:64].view(6, 4))
+        ready.to_local().fill_(-1.0)  # a load into it fills the live buffer
+        assert torch.equal(flat[40:64], torch.full((24,), -1.0)) and flat[39] == 39 and flat[64] == 64
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- consolidation and Hugging Face export
 @pytest.mark.timeout(900)
 def test_consolidated_weights_equal_the_gathered_parameters(
