@@ -5,6 +5,7 @@ The logic lives in the per-concern packages; this class only decides *when* each
 
 from __future__ import annotations
 
+import atexit
 import functools
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -327,7 +329,14 @@ class HybridStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        created = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if created:
+            # Destroy every process group at exit, while the interpreter is still whole. Lightning registers this for
+            # NCCL only; a gloo group left to interpreter finalization can abort the finished process ("terminate
+            # called without an active exception"): its worker threads release tensors, which takes the GIL, and a
+            # thread taking the GIL during finalization is ended by pthread_exit. A no-op if already destroyed.
+            atexit.register(_destroy_dist_connection)
         self._device_mesh = build_device_mesh(self._layout, self.root_device.type)
         self._data_group = self._device_mesh["data"].get_group()  # slicing a mesh builds a new one: once, not per step
         assert self.lightning_module is not None
@@ -897,16 +906,24 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """Leave nothing running: also after an exception (Lightning tears down then too), every step below runs, and
+        the first error is raised at the end. Nothing here is collective: after an error, other ranks may not come.
+        The process groups themselves are destroyed at exit (see ``setup_environment``)."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         if self.lightning_module is not None and getattr(self, "_example_input_array", None) is not None:
             self.lightning_module.example_input_array = self._example_input_array
         if self.lightning_module is not None:
             self.lightning_module.__dict__.pop("lr_scheduler_step", None)  # see _hold_schedulers_on_skipped_steps
-        self._checkpoint_writer.wait()  # the end of training waits for a background checkpoint save
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
+        # Bucket all-reduces are in flight only if a step raised; they are not waited for here, since the peers may
+        # never join them (a wait would then block until the collective timeout instead of letting the job end).
+        try:
+            # the end of training waits for a background checkpoint save, then destroys the save's own group
+            self._checkpoint_writer.close()
+        finally:
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
 
     @classmethod
     @override

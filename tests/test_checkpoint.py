@@ -182,6 +182,7 @@ def safety(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "model": "nanogpt_rank_marker",
         },
         LLAMA,
+        *ASYNC_TENSOR_PARALLEL2,
     ]
     group = launch(2, scenarios, root / "group2", timeout=400)
     reference = run_reference({"model": "nanogpt", "model_kwargs": SMALL, "data_parallel_size": 2, "batch_size": 16,
@@ -245,6 +246,60 @@ def test_async_save_resumes_exactly(safety: dict[str, Any]) -> None:
     """Saved in the background at step 3 (the end of the first fit waits for it), resumed in a new Trainer: the
     worker records both fits' losses, steps 1-6, which equal an uninterrupted single-process run's."""
     _assert_continues_reference(safety["group"].get("async-resume"), safety["reference"], start=0)
+
+
+# ---------------------------------------------------------------- async saves under tensor parallel
+# ZeRO-1/2's optimizer state is saved as views into the flat shards; under tensor parallel they are DTensors, which
+# DCP's asynchronous staging deep-copies: each is saved in the background at step 3 and resumed in a new Trainer
+ASYNC_TP2 = {"name": "async-resume-tp2", "model": "nanogpt", "model_kwargs": SMALL, "batch_size": 16,
+             "steps": SMALL_STEPS, "data_parallel_size": 1, "resume_after": 3,
+             "strategy": {"tensor_parallel_size": 2, "zero_stage": 1, "async_checkpoint": True}}  # fmt: skip
+ASYNC_TENSOR_PARALLEL2 = [ASYNC_TP2]  # in the safety fixture's 2-process group
+ASYNC_3D = {**_dp2("async-resume-tp2-pp2-dp2", resume_after=3),
+            "strategy": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_microbatches": 2,
+                         "zero_stage": 1, "async_checkpoint": True}}  # fmt: skip
+share(8, [ASYNC_3D])
+
+
+@pytest.mark.timeout(2400)  # may wait for the session's shared 8-process launch
+@pytest.mark.parametrize("name", [ASYNC_TP2["name"], ASYNC_3D["name"]])
+def test_async_save_under_tensor_parallel_resumes_exactly(safety: dict[str, Any], shared_groups, name: str) -> None:
+    """An asynchronous save at step 3 at tp=2 and at 2x2x2 (ZeRO-1), resumed in a new Trainer: steps 1-6 equal an
+    uninterrupted single-process run's (the same global batches)."""
+    if name == ASYNC_3D["name"]:
+        result, reference = shared_groups(8).get(name), safety["reference"]
+    else:
+        result = safety["group"].get(name)
+        reference = run_reference({"model": "nanogpt", "model_kwargs": SMALL, "data_parallel_size": 1,
+                                   "batch_size": 16, "steps": SMALL_STEPS})  # fmt: skip
+    _assert_continues_reference(result, reference, start=0)
+
+
+def test_dcp_ready_dtensor_views_deep_copy_and_alias_the_live_memory() -> None:
+    """One process: a DTensor over a view into a flat buffer at an offset (a ZeRO shard's piece) cannot be deep-copied
+    as torch builds it (what DCP's async staging does); ``dcp_ready``'s version can, and still writes through."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_hybrid.checkpoint.tensors import dcp_ready
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        flat = torch.arange(100.0)
+        piece = DTensor.from_local(flat[40:64].view(6, 4), mesh, [Shard(0)], run_check=False, shape=(6, 4),
+                                   stride=(4, 1))  # fmt: skip
+        with pytest.raises(RuntimeError, match="invalid python storage"):
+            copy.deepcopy(piece)  # torch's own limit: the reason for the re-wrap
+        ready = dcp_ready({"w": piece})["w"]
+        assert torch.equal(copy.deepcopy(ready).to_local(), flat[40:64].view(6, 4))
+        ready.to_local().fill_(-1.0)  # a load into it fills the live buffer
+        assert torch.equal(flat[40:64], torch.full((24,), -1.0)) and flat[39] == 39 and flat[64] == 64
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- consolidation and Hugging Face export

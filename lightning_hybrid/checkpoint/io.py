@@ -188,7 +188,9 @@ class ShardedCheckpointWriter:
                 except BaseException as error:  # surfaced by wait()
                     self._commit_error.append(error)
 
-            self._commit_thread = threading.Thread(target=commit_when_written, daemon=True)
+            # not a daemon: a save started after training (trainer.save_checkpoint after fit) is still committed
+            # before the interpreter exits, as DCP's own writer thread is waited for
+            self._commit_thread = threading.Thread(target=commit_when_written)
             self._commit_thread.start()
 
     def remove(self, path: Path) -> None:
@@ -211,10 +213,12 @@ class ShardedCheckpointWriter:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        pending.result()
-        if self._commit_thread is not None:
-            self._commit_thread.join()
-            self._commit_thread = None
+        try:
+            pending.result()
+        finally:
+            if self._commit_thread is not None:  # it ends once the write has (whether it failed or not)
+                self._commit_thread.join()
+                self._commit_thread = None
         if self._commit_error:
             error = self._commit_error.pop()
             raise CheckpointError(f"an asynchronous checkpoint save failed: {error}") from error
@@ -230,10 +234,15 @@ class ShardedCheckpointWriter:
                 raise CheckpointError(f"rank 0 did not commit {self._staging} within {_COMMIT_WAIT_S} s.")
 
     def close(self) -> None:
-        self.wait()
-        if self._group is not None:
-            dist.destroy_process_group(self._group)
-            self._group = None
+        """Wait for a pending save, then destroy the process group of the background saves (a later save makes a
+        new one): a gloo group left alive until the interpreter exits can abort the process there. Not collective."""
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._group)
+                self._group = None
 
 
 def _agree(problems: list[str]) -> list[str]:

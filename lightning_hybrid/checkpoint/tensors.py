@@ -84,16 +84,37 @@ def full_tensor(t: Tensor) -> Tensor:
     return t.full_tensor()
 
 
+def _at_offset_zero(t: DTensor) -> DTensor:
+    """``t`` over a local tensor that starts at storage offset 0 and aliases the same bytes.
+
+    A DTensor takes the storage offset of its local tensor (torch >= 2.10), and ``Tensor.__deepcopy__`` copies a
+    wrapper with a nonzero offset through the wrapper's own storage, which is empty: "Attempted to call copy_() on an
+    invalid python storage". DCP's asynchronous staging deep-copies every CPU DTensor, and ZeRO-1/2's optimizer state
+    is saved as views into the flat shards (no copy), so every such view but the first would fail. A storage slice
+    starting at the view's first byte aliases the same memory without copying it, so saves still read, and loads
+    still write, the live tensors.
+    """
+    local = t.to_local()
+    if local.storage_offset() == 0:
+        return t
+    storage = local.untyped_storage()
+    start = local.storage_offset() * local.element_size()
+    alias = local.new_empty(0).set_(storage[start:], 0, local.shape, local.stride())
+    return DTensor.from_local(alias, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
 def dcp_ready(tree: Any) -> Any:
-    """``tree`` with every strided (fused-projection) DTensor replaced by its DCP-friendly view; the views share
-    storage with the originals, so a DCP load into the result fills the originals in place.
+    """``tree`` with every strided (fused-projection) DTensor replaced by its DCP-friendly view, and every DTensor
+    whose local tensor is a view at a storage offset re-wrapped over an alias at offset 0 (see
+    :func:`_at_offset_zero`). The results share storage with the originals, so a DCP load into them fills the
+    originals in place.
 
     Example:
         >>> dcp_ready({"w": torch.zeros(2)})["w"].shape
         torch.Size([2])
     """
     if isinstance(tree, DTensor):
-        return _unstrided(tree) if _fused_index(tree) is not None else tree
+        return _at_offset_zero(_unstrided(tree) if _fused_index(tree) is not None else tree)
     if isinstance(tree, dict):
         return {k: dcp_ready(v) for k, v in tree.items()}
     if isinstance(tree, list):

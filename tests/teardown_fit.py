@@ -1,0 +1,43 @@
+"""Run by tests/test_teardown.py as a user runs a script: ``python tests/teardown_fit.py SPEC_JSON`` with
+``Trainer(devices=N)`` (Lightning starts the other ranks by running the same command again). It fits, then gathers a
+result over all ranks and prints it on rank 0: a collective right before the interpreter exits, as in a script that
+writes its results, is what leaves gloo's worker threads busy at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+from pathlib import Path
+
+
+def _left_alive() -> None:
+    # registered before anything else, so it runs after every later atexit handler (they run last-in, first-out)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        sys.stderr.write("LEFT ALIVE: process groups still exist when the interpreter finalizes\n")
+
+
+atexit.register(_left_alive)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_hybrid import HybridStrategy  # noqa: E402
+from tests.harness import build_module, make_dataset, trainer_kwargs  # noqa: E402
+
+spec = json.loads(sys.argv[1])
+module = build_module("nanogpt", n_layer=spec.get("n_layer", 2), bias=False)
+kwargs = {**trainer_kwargs(1), **spec.get("trainer", {})}
+trainer = L.Trainer(accelerator="cpu", devices=spec["devices"], strategy=HybridStrategy(**spec["strategy"]), **kwargs)
+loader = torch.utils.data.DataLoader(make_dataset(), batch_size=spec.get("batch_size", 4))
+trainer.fit(module, train_dataloaders=loader)
+if spec.get("save"):
+    trainer.save_checkpoint(spec["save"])
+losses: list = [None] * torch.distributed.get_world_size()
+torch.distributed.all_gather_object(losses, float(trainer.callback_metrics.get("train_loss", 0.0)))
+if trainer.global_rank == 0:
+    print("RESULT", json.dumps(losses), flush=True)
