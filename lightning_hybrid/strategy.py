@@ -52,6 +52,7 @@ from lightning_hybrid.sharding import (
     apply_fully_shard,
     local_grad,
     measure_model_state_bytes,
+    sync_batch_norm,
 )
 from lightning_hybrid.sharding.norm import GradientNorm
 from lightning_hybrid.structure import ModelStructure, block_list_needed_by, find_model_structure
@@ -343,6 +344,7 @@ class HybridStrategy(ParallelStrategy):
         tensor parallel, activation checkpointing, ZeRO-3, each on what this rank holds."""
         layout = self.layout
         mesh = self.device_mesh
+        sync_batch_norm(module, self._layer_sync, self._data_group, self.root_device.type)  # Trainer(sync_batchnorm)
         user_parallelized = any(isinstance(p, DTensor) for p in module.parameters())
         auto_plan = layout.tensor_parallel_size > 1 and not user_parallelized and self._tensor_parallel_plan == "auto"
         needed_by = block_list_needed_by(

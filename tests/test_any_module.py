@@ -4,7 +4,8 @@
 BatchNorm: under data parallel each replica normalizes with the statistics of its own local batch, as Lightning's
 DDP does without SyncBatchNorm, so a one-device run on the global batch is not the reference. The CNN's reference
 (``bn_replicas=2``) feeds each replica's slice of the global batch through the network separately: the same
-computation, compared exactly (1e-5). Its BatchNorm is in training mode throughout.
+computation, compared exactly (1e-5). Its BatchNorm is in training mode throughout. ``Trainer(sync_batchnorm=True)``
+needs torch's SyncBatchNorm, which runs on GPUs only: on CPU it is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ ERRORS = [
     scenario("error-cnn-pp2", "cnn", {"pipeline_parallel_size": 2}, expect_error=True),
     scenario("error-cnn-ac", "cnn", {"activation_checkpointing": True}, expect_error=True),
     scenario("error-cnn-tp2-auto", "cnn", {"tensor_parallel_size": 2}, expect_error=True),
+    scenario("error-cnn-sync-bn-cpu", "cnn", {"zero_stage": 1}, trainer={"sync_batchnorm": True}, expect_error=True),
 ]
 share(2, PARITY + ERRORS)
 
@@ -89,6 +91,7 @@ def test_data_parallel_of_a_module_without_blocks_matches_one_device(group2, cas
         ("error-cnn-pp2", r"`pipeline_parallel_size=2` \(the pipeline stages are cut between blocks\) needs them"),
         ("error-cnn-ac", r"`activation_checkpointing=True` .* needs them"),
         ("error-cnn-tp2-auto", r"`tensor_parallel_plan='auto'` .* needs them"),
+        ("error-cnn-sync-bn-cpu", r"`Trainer\(sync_batchnorm=True\)` on 'cpu': torch's SyncBatchNorm runs on"),
     ],
 )
 def test_settings_that_need_what_the_module_lacks_are_refused_on_every_rank(group2, name: str, match: str) -> None:
@@ -96,7 +99,8 @@ def test_settings_that_need_what_the_module_lacks_are_refused_on_every_rank(grou
     assert len(messages) == 2, f"expected the error on both ranks, got {messages}\n{group2.log[-3000:]}"
     for message in messages:
         assert message.startswith("HybridConfigError") and re.search(match, message), message
-        assert "transformer_blocks=" in message and "SmallCNN" in message, message
+        if "sync-bn" not in name:
+            assert "transformer_blocks=" in message and "SmallCNN" in message, message
 
 
 # ------------------------------------------------------------------------------------------------ single process
@@ -140,3 +144,19 @@ def test_a_dict_plan_needs_no_block_list() -> None:
     assert structure.blocks_name is None
     plan = build_tensor_parallel_plan(net, structure, {"1.0": "colwise", "1.2": "rowwise"})
     assert plan.sharded_region_modules == {"1"}
+
+
+def test_sync_batchnorm_converts_over_the_data_parallel_group_only() -> None:
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    from lightning_hybrid.sharding import sync_batch_norm
+    from tests.any_module_models import SmallCNN
+
+    module, group = SmallCNN(), object()  # the group is only stored at conversion
+    weight = module.net[3].weight
+    sync_batch_norm(module, TorchSyncBatchNorm(), group, "cuda")
+    assert isinstance(module.net[3], nn.SyncBatchNorm) and module.net[3].process_group is group
+    assert module.net[3].weight is weight  # the same parameter: the optimizer built later steps it
+    with pytest.raises(HybridConfigError, match=r"sync_batchnorm=True\)` on 'cpu'"):
+        sync_batch_norm(SmallCNN(), TorchSyncBatchNorm(), group, "cpu")
+    sync_batch_norm(nn.Linear(2, 2), TorchSyncBatchNorm(), group, "cpu")  # no BatchNorm: nothing to refuse
