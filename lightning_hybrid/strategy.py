@@ -398,7 +398,7 @@ class HybridStrategy(ParallelStrategy):
         dp_replicated: list[str] = []
         if layout.zero_stage == 3:
             # each pipeline stage module becomes the FSDP2 root of its own parameters (below)
-            roots = structure.fully_shard_roots(module) if split is None else []
+            roots = structure.fully_shard_roots(module) if split is None else None
             dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"], **self._fsdp_kwargs())
             if dp_replicated and self.precision_plugin.master_dtype is not None:
                 raise HybridConfigError(

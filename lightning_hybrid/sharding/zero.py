@@ -611,14 +611,15 @@ def _strided(p: nn.Parameter) -> bool:
 
 
 def apply_fully_shard(
-    module: nn.Module, block_names: list[str], roots: list[str], dp_mesh: DeviceMesh, **kwargs: Any
+    module: nn.Module, block_names: list[str], roots: Optional[list[str]], dp_mesh: DeviceMesh, **kwargs: Any
 ) -> list[str]:
     """ZeRO-3: FSDP2 ``fully_shard`` each transformer block, then each root (the rest of the parameters), innermost
-    first (``ModelStructure.fully_shard_roots``).
+    first (``ModelStructure.fully_shard_roots``). ``roots=None``: the caller wraps what the blocks leave itself (each
+    pipeline stage module).
 
     Parameters are gathered before each block's forward/backward and freed after (``reshard_after_forward``).
-    Returns the names of parameters left out of FSDP2 (those outside every block and root, and fused tensor-parallel
-    biases), which stay replicated: the caller must average their gradients over ``dp_mesh``.
+    Returns the names of parameters left out of FSDP2 (fused tensor-parallel biases and, given ``roots``, those
+    outside every block and root), which stay replicated: the caller must average their gradients over ``dp_mesh``.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
@@ -632,8 +633,9 @@ def apply_fully_shard(
         return Shard(1) if _strided(p) else None
 
     covered: set[nn.Parameter] = set()
-    for name in [*block_names, *roots]:
+    for name in [*block_names, *(roots or [])]:
         target = module.get_submodule(name) if name else module
         fully_shard(target, mesh=dp_mesh, shard_placement_fn=placement, ignored_params=ignored, **kwargs)
         covered.update(target.parameters())
-    return [n for n, p in module.named_parameters() if p in ignored or p not in covered]
+    left_out = ignored if roots is None else ignored | (set(module.parameters()) - covered)
+    return [n for n, p in module.named_parameters() if p in left_out]
