@@ -74,18 +74,20 @@ class SmallCNN(_Classifier):
 
 
 class SmallMLP(_Classifier):
-    """Flatten, then Linear/GELU/LayerNorm layers and a classifier head in separate attributes; a learned input
-    scale held by the LightningModule itself (a parameter of no child module)."""
+    """Flatten, a Linear/GELU/Linear body (``{"body.0": "colwise", "body.2": "rowwise"}`` splits it over tensor
+    parallel), a LayerNorm and a classifier head in separate attributes; a learned input scale held by the
+    LightningModule itself (a parameter of no child module)."""
 
     def __init__(self, hidden: int = 32, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         width = int(torch.tensor(IMAGE_SHAPE).prod())
         self.input_scale = nn.Parameter(torch.ones(width))
-        self.body = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.LayerNorm(hidden), nn.Linear(hidden, hidden))
+        self.body = nn.Sequential(nn.Linear(width, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+        self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, NUM_CLASSES)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(F.gelu(self.body(x.flatten(1) * self.input_scale)))
+        return self.head(F.gelu(self.norm(self.body(x.flatten(1) * self.input_scale))))
 
     def _forward(self, x: Tensor) -> Tensor:
         return self(x)

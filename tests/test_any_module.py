@@ -27,11 +27,12 @@ STEPS = 10
 BATCH = 4
 TOL = 1e-5
 MODEL_KWARGS = {"cnn": {"bn_replicas": 2}, "mlp": {}}
+MLP_PLAN = {"body.0": "colwise", "body.2": "rowwise"}
 
 
-def scenario(name: str, model: str, strategy: Any, **extra: Any) -> dict[str, Any]:
+def scenario(name: str, model: str, strategy: Any, dp: int = 2, **extra: Any) -> dict[str, Any]:
     return {"name": name, "model": model, "model_kwargs": MODEL_KWARGS[model], "strategy": strategy, "steps": STEPS,
-            "batch_size": BATCH, "data_parallel_size": 2, "dataset": "images", **extra}  # fmt: skip
+            "batch_size": BATCH, "data_parallel_size": dp, "dataset": "images", **extra}  # fmt: skip
 
 
 PARITY = [
@@ -39,6 +40,8 @@ PARITY = [
     scenario("cnn-dp2-by-name", "cnn", "hybrid"),
     *[scenario(f"cnn-dp2-zero{z}", "cnn", {"zero_stage": z}) for z in (0, 2, 3)],
     *[scenario(f"mlp-dp2-zero{z}", "mlp", {"zero_stage": z}) for z in (0, 1, 2, 3)],
+    # tensor parallel with a dict plan needs no block list either
+    scenario("mlp-tp2-dictplan", "mlp", {"tensor_parallel_size": 2, "tensor_parallel_plan": MLP_PLAN}, dp=1),
 ]
 ERRORS = [
     scenario("error-cnn-pp2", "cnn", {"pipeline_parallel_size": 2}, expect_error=True),
@@ -55,9 +58,9 @@ def group2(shared_groups):
 
 
 @functools.cache
-def _reference(model: str) -> dict[str, Any]:
+def _reference(model: str, dp: int) -> dict[str, Any]:
     # every ZeRO stage of a model trains like the same one-device run
-    return run_reference({**scenario("reference", model, {}), "model_kwargs": MODEL_KWARGS[model]})
+    return run_reference(scenario("reference", model, {}, dp=dp))
 
 
 @pytest.mark.timeout(2400)
@@ -65,8 +68,9 @@ def _reference(model: str) -> dict[str, Any]:
 def test_data_parallel_of_a_module_without_blocks_matches_one_device(group2, case: dict[str, Any]) -> None:
     from lightning_hybrid.sharding import expected_model_state_bytes
 
-    result, reference = group2.get(case["name"]), _reference(case["model"])
-    assert result["layout"]["data_parallel_size"] == 2
+    result, reference = group2.get(case["name"]), _reference(case["model"], case["data_parallel_size"])
+    layout = result["layout"]
+    assert layout["data_parallel_size"] == case["data_parallel_size"]
     assert len(result["losses"]) == len(reference["losses"]) == STEPS
     for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
         assert abs(got - want) / abs(want) <= TOL, f"step {step}: loss {got} vs one device {want}"
@@ -75,10 +79,13 @@ def test_data_parallel_of_a_module_without_blocks_matches_one_device(group2, cas
         for name, want in reference[kind].items():
             err = relative_error(result[kind][name], want)
             assert err <= TOL, f"{kind} {name}: relative error {err:.2e}"
+    if layout["tensor_parallel_size"] > 1:  # the plan really split the body
+        total = sum(p.numel() for p in reference["params"].values())
+        assert all(record["local_numel"] < total for record in result["per_rank"])
     # ZeRO really shards (ZeRO-3: the whole module, though it has no block list), to the formula within 5%
     for rank, record in enumerate(result["per_rank"]):
         expected = expected_model_state_bytes(
-            record["local_numel"], zero_stage=result["layout"]["zero_stage"], data_parallel_size=2
+            record["local_numel"], zero_stage=layout["zero_stage"], data_parallel_size=layout["data_parallel_size"]
         )
         for key, want in expected.items():
             got = record["model_state"][key]
@@ -119,7 +126,7 @@ def test_zero3_units_come_before_the_modules_around_them() -> None:
     parameters, and wrapping a child again then fails. The LightningModule itself is never a unit."""
     from tests.any_module_models import SmallMLP
 
-    assert find_model_structure(SmallMLP()).fully_shard_roots(SmallMLP()) == ["body", "head"]
+    assert find_model_structure(SmallMLP()).fully_shard_roots(SmallMLP()) == ["body", "norm", "head"]
 
     class BlocksOnTheRoot(nn.Module):  # the block list is a child of the root, beside the embedding and head
         def __init__(self) -> None:
