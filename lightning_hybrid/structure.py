@@ -129,7 +129,8 @@ def _find_block_list(
             return None  # data parallel and ZeRO train any module without one
         raise HybridConfigError(
             f"Could not find the repeated transformer blocks in {type(root).__name__} (no nn.ModuleList or"
-            f" nn.Sequential of same-type modules with parameters), and {' and '.join(needed_by)} needs them. Pass"
+            f" nn.Sequential of same-type modules with parameters), and {' and '.join(needed_by)}"
+            f" {'needs' if len(needed_by) == 1 else 'need'} them. Pass"
             " `HybridStrategy(transformer_blocks='<name of the block list>')`, or train this module with data"
             " parallel and ZeRO alone, which need no block list."
         )
