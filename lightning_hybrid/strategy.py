@@ -63,9 +63,10 @@ from lightning_hybrid.sharding import (
     ShardedOptimizer,
     apply_fully_shard,
     measure_model_state_bytes,
+    sync_batch_norm,
 )
 from lightning_hybrid.sharding.norm import GradientNorm
-from lightning_hybrid.structure import ModelStructure, find_model_structure
+from lightning_hybrid.structure import ModelStructure, block_list_needed_by, find_model_structure
 from lightning_hybrid.tensor_parallel import (
     apply_tensor_parallel,
     build_tensor_parallel_plan,
@@ -376,9 +377,18 @@ class HybridStrategy(ParallelStrategy):
         layout = self.layout
         mesh = self.device_mesh
         user_parallelized = any(isinstance(p, DTensor) for p in module.parameters())
+        auto_plan = layout.tensor_parallel_size > 1 and not user_parallelized and self._tensor_parallel_plan == "auto"
+        needed_by = block_list_needed_by(
+            pipeline_parallel_size=layout.pipeline_parallel_size,
+            activation_checkpointing=self._activation_checkpointing,
+            tensor_parallel_auto_plan=auto_plan,
+            sequence_parallel=layout.sequence_parallel,
+        )
         plan = None
         with raise_together():  # planning is collective-free: a failure on any rank is raised on all of them
-            self._structure = structure = find_model_structure(module, self._transformer_blocks)
+            sync_batch_norm(module, self._layer_sync, self._data_group, self.root_device.type)  # Trainer(sync_batchnorm)
+            # data parallel and ZeRO train any module: only these settings need a block list
+            self._structure = structure = find_model_structure(module, self._transformer_blocks, needed_by)
             if layout.tensor_parallel_size > 1 and not user_parallelized:
                 plan = build_tensor_parallel_plan(
                     module, structure, self._tensor_parallel_plan, vocab_parallel_loss=self._vocab_parallel_loss
@@ -420,17 +430,15 @@ class HybridStrategy(ParallelStrategy):
             apply_activation_checkpointing(module, held_blocks)
         dp_replicated: list[str] = []
         if layout.zero_stage == 3:
-            if split is None:
-                roots = [structure.network_name] if structure.network_name else [""]
-                roots += [n for n, c in module.named_children() if n != structure.network_name and _has_params(c)]
-            else:
-                roots = []  # each pipeline stage module becomes the FSDP2 root of its own parameters (below)
+            # each pipeline stage module becomes the FSDP2 root of its own parameters (below)
+            roots = structure.fully_shard_roots(module) if split is None else None
             dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"], **self._fsdp_kwargs())
             if dp_replicated and self.precision_plugin.master_dtype is not None:
                 raise HybridConfigError(
-                    f"`precision={self.precision_plugin.precision!r}` with `zero_stage=3` cannot hold the fused"
-                    f" tensor-parallel biases {dp_replicated} (FSDP2 leaves them out, so nothing casts them). Use"
-                    " zero_stage=1 or 2 with this precision, or a '-mixed' precision with zero_stage=3."
+                    f"`precision={self.precision_plugin.precision!r}` with `zero_stage=3` cannot hold"
+                    f" {dp_replicated}: FSDP2 leaves them out (fused tensor-parallel biases, or parameters the"
+                    " LightningModule holds itself), so nothing casts them. Use zero_stage=1 or 2 with this"
+                    " precision, a '-mixed' precision with zero_stage=3, or move such parameters into a submodule."
                 )
         if split is not None:
             self._pipeline = self._build_runner(module, structure, split)
@@ -957,10 +965,6 @@ def _pipeline_network(
 
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-def _has_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
 
 
 def _is_stub(module: nn.Module) -> bool:

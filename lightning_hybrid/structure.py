@@ -2,10 +2,14 @@
 
 Tensor parallel (which layers to shard), ZeRO-3 (what to wrap), activation checkpointing (what to recompute) and the
 pipeline (where to cut) all need the same answer, so it is found once, here, and never per feature.
+
+Data parallel and ZeRO need no block list: a module without one (a CNN, an MLP) has a structure with
+``blocks_name=None``, and only the features that cut or recompute per block ask for it (``needed_by``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -13,7 +17,7 @@ from torch import nn
 
 from lightning_hybrid.config import HybridConfigError
 
-__all__ = ["ModelStructure", "find_model_structure"]
+__all__ = ["ModelStructure", "block_list_needed_by", "find_model_structure"]
 
 
 @dataclass
@@ -22,8 +26,8 @@ class ModelStructure:
 
     network_name: str
     """The module that owns the block list and is called by ``training_step`` ("" is the LightningModule itself)."""
-    blocks_name: str
-    """The repeated ``nn.ModuleList``/``nn.Sequential`` of transformer blocks."""
+    blocks_name: Optional[str]
+    """The repeated ``nn.ModuleList``/``nn.Sequential`` of transformer blocks (None: the module has none)."""
     num_blocks: int
     token_embedding_name: Optional[str] = None
     output_head_name: Optional[str] = None
@@ -31,14 +35,72 @@ class ModelStructure:
     """Pairs of parameter names that are one tensor (e.g. input embedding and output head)."""
 
     def block_names(self) -> list[str]:
+        if self.blocks_name is None:
+            return []
         return [f"{self.blocks_name}.{i}" for i in range(self.num_blocks)]
+
+    def fully_shard_roots(self, root: nn.Module) -> list[str]:
+        """The modules ZeRO-3 wraps with FSDP2 after the blocks, innermost first: FSDP2 takes the parameters that
+        no already wrapped submodule holds, so a module must come after the modules inside it.
+
+        They are the network that owns the block list and every other child of ``root`` with parameters (without
+        a block list: every child with parameters); a container without ``forward`` (``nn.ModuleList``/
+        ``nn.ModuleDict``), which FSDP2 cannot wrap, gives its children instead. ``root`` itself is never one:
+        ``training_step`` may call its children without calling its ``forward``, and an FSDP2 unit whose forward
+        never runs never gathers its parameters. Parameters held directly by ``root`` therefore stay replicated over
+        the data-parallel ranks, as do parameters outside every unit (``apply_fully_shard`` reports them).
+        """
+        units: list[str] = []
+
+        def add(name: str, module: nn.Module) -> None:
+            if _num_params(module) == 0 or (self.blocks_name is not None and name == self.blocks_name):
+                return  # nothing to shard, or the block list itself (its blocks are units already)
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                for child_name, child in module.named_children():
+                    add(f"{name}.{child_name}", child)
+            else:
+                units.append(name)
+
+        for name, child in root.named_children():
+            if name != self.network_name:
+                add(name, child)
+        if self.network_name:
+            units.append(self.network_name)
+        return units
 
 
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _find_block_list(root: nn.Module, blocks_name: Optional[str]) -> tuple[str, nn.Module]:
+def block_list_needed_by(
+    *,
+    pipeline_parallel_size: int = 1,
+    activation_checkpointing: bool = False,
+    tensor_parallel_auto_plan: bool = False,
+    sequence_parallel: bool = False,
+) -> list[str]:
+    """The settings of a layout that need the repeated block list, each with the reason (empty: none do).
+
+    Example:
+        >>> block_list_needed_by(pipeline_parallel_size=2)
+        ['`pipeline_parallel_size=2` (the pipeline stages are cut between blocks)']
+    """
+    needs = []
+    if pipeline_parallel_size > 1:
+        needs.append(f"`pipeline_parallel_size={pipeline_parallel_size}` (the pipeline stages are cut between blocks)")
+    if activation_checkpointing:
+        needs.append("`activation_checkpointing=True` (each block is recomputed in the backward pass)")
+    if tensor_parallel_auto_plan:
+        needs.append("`tensor_parallel_plan='auto'` (the plan is read from the layers of the blocks)")
+    if sequence_parallel:
+        needs.append("`sequence_parallel=True` (the sequence is split from the first block to the last)")
+    return needs
+
+
+def _find_block_list(
+    root: nn.Module, blocks_name: Optional[str], needed_by: Sequence[str]
+) -> Optional[tuple[str, nn.Module]]:
     if blocks_name is not None:
         try:
             blocks = root.get_submodule(blocks_name)
@@ -63,16 +125,25 @@ def _find_block_list(root: nn.Module, blocks_name: Optional[str]) -> tuple[str, 
         if size > 0 and (best is None or size > best[0]):
             best = (size, name, module)
     if best is None:
+        if not needed_by:
+            return None  # data parallel and ZeRO train any module without one
         raise HybridConfigError(
-            f"Could not find the repeated transformer blocks in {type(root).__name__}: no nn.ModuleList or"
-            " nn.Sequential of same-type modules with parameters. Pass"
-            " `HybridStrategy(transformer_blocks='<name of the block list>')`."
+            f"Could not find the repeated transformer blocks in {type(root).__name__} (no nn.ModuleList or"
+            f" nn.Sequential of same-type modules with parameters), and {' and '.join(needed_by)}"
+            f" {'needs' if len(needed_by) == 1 else 'need'} them. Pass"
+            " `HybridStrategy(transformer_blocks='<name of the block list>')`, or train this module with data"
+            " parallel and ZeRO alone, which need no block list."
         )
     return best[1], best[2]
 
 
-def find_model_structure(root: nn.Module, blocks_name: Optional[str] = None) -> ModelStructure:
+def find_model_structure(
+    root: nn.Module, blocks_name: Optional[str] = None, needed_by: Sequence[str] = ()
+) -> ModelStructure:
     """Locate the block list, the network that owns it, the token embedding, the vocabulary head and tied weights.
+
+    Without a block list the structure has ``blocks_name=None`` and the whole module as its network, unless
+    ``needed_by`` (from :func:`block_list_needed_by`) names settings that need one: then ``HybridConfigError``.
 
     Example:
         >>> from torch import nn
@@ -85,16 +156,19 @@ def find_model_structure(root: nn.Module, blocks_name: Optional[str] = None) -> 
         >>> s = find_model_structure(Net())
         >>> (s.blocks_name, s.token_embedding_name, s.output_head_name)
         ('blocks', 'emb', 'head')
+        >>> find_model_structure(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten())).blocks_name is None
+        True
     """
-    name, blocks = _find_block_list(root, blocks_name)
-    network_name = name.split(".")[0] if "." in name else ""
+    found = _find_block_list(root, blocks_name, needed_by)
+    name, blocks = found if found is not None else (None, None)
+    network_name = name.split(".")[0] if name is not None and "." in name else ""
     network = root.get_submodule(network_name) if network_name else root
     prefix = f"{network_name}." if network_name else ""
 
     outside = [
         (f"{prefix}{n}" if n else network_name, m)
         for n, m in network.named_modules()
-        if not _inside(n, name[len(prefix) :])
+        if name is None or not _inside(n, name[len(prefix) :])
     ]
     embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
     linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
@@ -119,7 +193,7 @@ def find_model_structure(root: nn.Module, blocks_name: Optional[str] = None) -> 
     return ModelStructure(
         network_name=network_name,
         blocks_name=name,
-        num_blocks=len(blocks),
+        num_blocks=len(blocks) if blocks is not None else 0,
         token_embedding_name=token_embedding[0] if token_embedding else None,
         output_head_name=head[0] if head else None,
         tied_parameters=tied,

@@ -12,6 +12,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from tests.any_module_models import build_any_module, image_dataset
+
 SEED = 1234
 SEQ_LEN = 16
 NUM_SAMPLES = 256
@@ -52,6 +54,7 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
         from tests.bucket_models import build_bucket_module
 
         module = build_bucket_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
+    module = build_any_module(model, **kwargs) if module is None else module
     if module is None:
         from tests.pipeline_models import build_pipeline_module
 
@@ -80,8 +83,12 @@ def _user_tensor_parallel_nanogpt(**kwargs: Any) -> L.LightningModule:
     return UserParallelNanoGPT(**kwargs)
 
 
-def make_dataset() -> TensorDataset:
-    """Real characters of the example corpus, cut into fixed windows (same on every process, no randomness)."""
+def make_dataset(kind: str = "tokens") -> TensorDataset:
+    """Real characters of the example corpus, cut into fixed windows (same on every process, no randomness);
+    ``"images"``: synthetic images and labels for the modules of tests/any_module_models.py (a scenario's
+    ``"dataset"``)."""
+    if kind == "images":
+        return image_dataset(NUM_SAMPLES, SEED)
     from examples.data import load_corpus
 
     text = load_corpus(NUM_SAMPLES * (SEQ_LEN + 1) + 1)
@@ -169,7 +176,8 @@ def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
     module = build_module(model, **scenario.get("model_kwargs", {}))
     dp = scenario["data_parallel_size"]
     per_epoch = -(-NUM_SAMPLES // (dp * scenario["batch_size"]))
-    loader = reference_loader(make_dataset(), dp, scenario["batch_size"], epochs=-(-scenario["steps"] // per_epoch))
+    dataset = make_dataset(scenario.get("dataset", "tokens"))
+    loader = reference_loader(dataset, dp, scenario["batch_size"], epochs=-(-scenario["steps"] // per_epoch))
     recorder = Recorder()
     kwargs = {**trainer_kwargs(scenario["steps"]), **scenario.get("trainer", {})}
     trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[recorder], **kwargs)

@@ -226,9 +226,10 @@ def test_structure_rejects_a_bad_transformer_blocks_name(blocks, match):
         find_model_structure(nanogpt(), blocks)
 
 
-def test_structure_without_a_block_list_asks_for_transformer_blocks():
+def test_structure_without_a_block_list_asks_for_transformer_blocks_where_needed():
+    assert find_model_structure(nn.Linear(4, 4)).blocks_name is None  # data parallel and ZeRO need none
     with pytest.raises(HybridConfigError, match=r"Could not find the repeated transformer blocks in Linear.*Pass"):
-        find_model_structure(nn.Linear(4, 4))
+        find_model_structure(nn.Linear(4, 4), needed_by=["`activation_checkpointing=True`"])
 
 
 # ---------------------------------------------------------------------------------------------------- TP plans

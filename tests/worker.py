@@ -25,8 +25,11 @@ from tests.harness import Recorder, build_module, full_parameters, make_dataset,
 def run(scenario: dict, out_dir: Path) -> None:
     world = int(os.environ["WORLD_SIZE"])
     module = build_module(scenario["model"], **scenario.get("model_kwargs", {}))
-    strategy = HybridStrategy(**scenario["strategy"])
-    loader = torch.utils.data.DataLoader(make_dataset(), batch_size=scenario["batch_size"], shuffle=True)
+    # a string is the registered name, as a user passes it: `Trainer(strategy="hybrid")`
+    spec = scenario["strategy"]
+    strategy = spec if isinstance(spec, str) else HybridStrategy(**spec)
+    dataset = make_dataset(scenario.get("dataset", "tokens"))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=scenario["batch_size"], shuffle=True)
     recorder = Recorder()
     kwargs = {**trainer_kwargs(scenario["steps"]), **scenario.get("trainer", {})}
     if scenario.get("callbacks") or scenario.get("resume_after"):
@@ -38,6 +41,7 @@ def run(scenario: dict, out_dir: Path) -> None:
     if scenario.get("precision_plugin"):
         kwargs["plugins"] = [HybridPrecision(**scenario["precision_plugin"])]
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[recorder], **kwargs)
+    strategy = trainer.strategy
     probe = _precision_probes(trainer, scenario)
     # the recorder averages losses over the data dimension, which exists once the strategy has set up the mesh
     recorder.data_group = None

@@ -1,5 +1,6 @@
 """ZeRO sharding over the data-parallel dimension, and the per-rank model-state report."""
 
+from lightning_hybrid.sharding.batch_norm import sync_batch_norm
 from lightning_hybrid.sharding.memory import expected_model_state_bytes, measure_model_state_bytes
 from lightning_hybrid.sharding.zero import (
     GradientBuckets,
@@ -21,4 +22,5 @@ __all__ = [
     "local_grad",
     "local_tensor",
     "measure_model_state_bytes",
+    "sync_batch_norm",
 ]

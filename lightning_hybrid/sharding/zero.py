@@ -923,12 +923,15 @@ def _strided(p: nn.Parameter) -> bool:
 
 
 def apply_fully_shard(
-    module: nn.Module, block_names: list[str], roots: list[str], dp_mesh: DeviceMesh, **kwargs: Any
+    module: nn.Module, block_names: list[str], roots: Optional[list[str]], dp_mesh: DeviceMesh, **kwargs: Any
 ) -> list[str]:
-    """ZeRO-3: FSDP2 ``fully_shard`` each transformer block, then each root (the rest of the parameters).
+    """ZeRO-3: FSDP2 ``fully_shard`` each transformer block, then each root (the rest of the parameters), innermost
+    first (``ModelStructure.fully_shard_roots``). ``roots=None``: the caller wraps what the blocks leave itself (each
+    pipeline stage module).
 
     Parameters are gathered before each block's forward/backward and freed after (``reshard_after_forward``).
-    Returns the names of parameters left out of FSDP2, whose gradients the caller must average over ``dp_mesh``.
+    Returns the names of parameters left out of FSDP2 (fused tensor-parallel biases and, given ``roots``, those
+    outside every block and root), which stay replicated: the caller must average their gradients over ``dp_mesh``.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
@@ -941,7 +944,10 @@ def apply_fully_shard(
     def placement(p: nn.Parameter) -> Optional[Shard]:
         return Shard(1) if _strided(p) else None
 
-    for name in [*block_names, *roots]:
+    covered: set[nn.Parameter] = set()
+    for name in [*block_names, *(roots or [])]:
         target = module.get_submodule(name) if name else module
         fully_shard(target, mesh=dp_mesh, shard_placement_fn=placement, ignored_params=ignored, **kwargs)
-    return [n for n, p in module.named_parameters() if p in ignored]
+        covered.update(target.parameters())
+    left_out = ignored if roots is None else ignored | (set(module.parameters()) - covered)
+    return [n for n, p in module.named_parameters() if p in left_out]

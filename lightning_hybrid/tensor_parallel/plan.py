@@ -187,7 +187,10 @@ def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStru
     """Find attention modules and the sharded regions; check that every split region is closed by a row-wise split."""
     regions: dict[str, set[str]] = {}
     for name, style in plan.styles.items():
-        inside_blocks = name.startswith(structure.blocks_name + ".")
+        if structure.blocks_name is not None:
+            inside_blocks = name.startswith(structure.blocks_name + ".")
+        else:  # a module without a block list (a dict plan): any layer but the embedding and the head
+            inside_blocks = name not in (structure.token_embedding_name, structure.output_head_name)
         if not inside_blocks or not isinstance(root.get_submodule(name), nn.Linear):
             continue  # embeddings and the head are split on their own: they open no region
         kind = "row" if isinstance(style, RowwiseParallel) else "col" if isinstance(style, ColwiseParallel) else None
