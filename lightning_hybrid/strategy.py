@@ -386,7 +386,8 @@ class HybridStrategy(ParallelStrategy):
         )
         plan = None
         with raise_together():  # planning is collective-free: a failure on any rank is raised on all of them
-            sync_batch_norm(module, self._layer_sync, self._data_group, self.root_device.type)  # Trainer(sync_batchnorm)
+            # Trainer(sync_batchnorm=True): SyncBatchNorm over the data-parallel group
+            sync_batch_norm(module, self._layer_sync, self._data_group, self.root_device.type)
             # data parallel and ZeRO train any module: only these settings need a block list
             self._structure = structure = find_model_structure(module, self._transformer_blocks, needed_by)
             if layout.tensor_parallel_size > 1 and not user_parallelized:
