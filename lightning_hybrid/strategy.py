@@ -811,7 +811,7 @@ class HybridStrategy(ParallelStrategy):
         state = self.lightning_module.state_dict()
         if self._shared is not None:  # entries another pipeline stage owns (and writes) under the same name
             state = {k: v for k, v in state.items() if k not in self._shared.not_owned}
-        return state
+        return _first_replica_buffers(self.lightning_module, state, self._data_group)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -966,6 +966,23 @@ def _pipeline_network(
 
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _first_replica_buffers(module: nn.Module, state: dict[str, Any], data_group: Any) -> dict[str, Any]:
+    """``state`` with its persistent buffers taken from the first data-parallel replica (collective over the data
+    group; the module is not changed). Each replica updates buffers such as BatchNorm's running statistics from its own
+    batches; the checkpoint holds one value per key, the first replica's, as Lightning's DDP saves rank 0's."""
+    if torch.distributed.get_world_size(data_group) == 1:
+        return state
+    names = {name for name, _ in module.named_buffers()}
+    src = torch.distributed.get_global_rank(data_group, 0)
+    out = dict(state)
+    for key in sorted(k for k in state if k in names):  # sorted: the same order on every replica
+        value = state[key]
+        if isinstance(value, Tensor) and not isinstance(value, DTensor):
+            out[key] = value.detach().clone()
+            torch.distributed.broadcast(out[key], src=src, group=data_group)
+    return out
 
 
 def _is_stub(module: nn.Module) -> bool:

@@ -43,13 +43,16 @@ PARITY = [
     # tensor parallel with a dict plan needs no block list either
     scenario("mlp-tp2-dictplan", "mlp", {"tensor_parallel_size": 2, "tensor_parallel_plan": MLP_PLAN}, dp=1),
 ]
+# BatchNorm's running statistics differ between the replicas: the checkpoint takes the first replica's (as DDP saves
+# rank 0's), and the resumed run continues the one-device reference exactly (training mode uses batch statistics)
+RESUMED = [scenario("cnn-dp2-zero1-resumed", "cnn", {"zero_stage": 1}, resume_after=4)]
 ERRORS = [
     scenario("error-cnn-pp2", "cnn", {"pipeline_parallel_size": 2}, expect_error=True),
     scenario("error-cnn-ac", "cnn", {"activation_checkpointing": True}, expect_error=True),
     scenario("error-cnn-tp2-auto", "cnn", {"tensor_parallel_size": 2}, expect_error=True),
     scenario("error-cnn-sync-bn-cpu", "cnn", {"zero_stage": 1}, trainer={"sync_batchnorm": True}, expect_error=True),
 ]
-share(2, PARITY + ERRORS)
+share(2, PARITY + RESUMED + ERRORS)
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +67,7 @@ def _reference(model: str, dp: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("case", PARITY, ids=[s["name"] for s in PARITY])
+@pytest.mark.parametrize("case", PARITY + RESUMED, ids=[s["name"] for s in PARITY + RESUMED])
 def test_data_parallel_of_a_module_without_blocks_matches_one_device(group2, case: dict[str, Any]) -> None:
     from lightning_hybrid.sharding import expected_model_state_bytes
 
