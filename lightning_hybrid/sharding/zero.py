@@ -207,7 +207,34 @@ class _Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-class GradientBuckets:
+class _InOrderLaunch:
+    """What both kinds of gradient buckets share: a bucket starts once every parameter in it has reported its
+    gradient, strictly in bucket order (the same on every rank, so the collectives match), and when the backward pass
+    ends, whatever is left starts (``_end_of_backward``)."""
+
+    buckets: list[Any]
+    _next: int
+    _callback_queued: bool
+
+    def _launch(self, b: Any, *, in_backward: bool) -> None:
+        raise NotImplementedError
+
+    def _end_of_backward(self) -> None:
+        raise NotImplementedError
+
+    def _report(self, b: Any, i: int) -> None:
+        if not self._callback_queued:
+            # like DDP: when the backward pass ends, start what is left and wait for everything
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        b.reported.add(i)
+        while self._next < len(self.buckets) and len(self.buckets[self._next].reported) == len(
+            self.buckets[self._next].params
+        ):
+            self._launch(self.buckets[self._next], in_backward=True)
+
+
+class GradientBuckets(_InOrderLaunch):
     """Data-parallel gradient averaging in buckets, overlapped with the backward pass (ZeRO-0), as torch's DDP and
     Megatron's distributed data parallel do it.
 
@@ -298,15 +325,7 @@ class GradientBuckets:
         self._adopt(b, i, p)
         if not self.armed:
             return  # an accumulation pass (under block_backward_sync) or manual optimization: reduce at the step
-        if not self._callback_queued:
-            # like DDP: when the backward pass ends, start what is left, wait for everything and average
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
-        b.reported.add(i)
-        while self._next < len(self.buckets) and len(self.buckets[self._next].reported) == len(
-            self.buckets[self._next].params
-        ):
-            self._launch(self.buckets[self._next], in_backward=True)
+        self._report(b, i)
 
     @torch.no_grad()
     def _launch(self, b: _Bucket, *, in_backward: bool) -> None:
@@ -420,7 +439,7 @@ class _ShardBucket:
         self.launched_in_backward = 0
 
 
-class ShardedGradientBuckets:
+class ShardedGradientBuckets(_InOrderLaunch):
     """ZeRO-2 gradient reduction in buckets during every backward pass, so that no rank holds more than its gradient
     shard plus the buckets in flight (DeepSpeed's stage 2 design, with DDP's bucket order):
 
@@ -550,14 +569,7 @@ class ShardedGradientBuckets:
         lo, hi = b.spans[i]
         self._buffer(b)[lo:hi].add_(g.reshape(-1))  # casts to the shard's dtype (fp32 under '-true' precisions)
         p.grad = None  # the bucket holds it now: autograd's tensor is freed at once
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
-        b.reported.add(i)
-        while self._next < len(self.buckets) and len(self.buckets[self._next].reported) == len(
-            self.buckets[self._next].params
-        ):
-            self._launch(self.buckets[self._next], in_backward=True)
+        self._report(b, i)
 
     @torch.no_grad()
     def _launch(self, b: _ShardBucket, *, in_backward: bool) -> None:
