@@ -43,14 +43,6 @@ def map_first_input(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     return hook
 
 
-def first_output(output: Any) -> Optional[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return None
-
-
 def map_output(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     """A ``register_forward_hook`` hook applying ``fn`` to the hidden-state output (a tensor or a tuple's first)."""
 

@@ -11,8 +11,6 @@ from typing import Any, Literal, Union
 
 __all__ = ["PIPELINE_SCHEDULES", "HybridConfigError", "ParallelLayout", "check_pipeline", "check_sizes"]
 
-ZeroStage = Literal[0, 1, 2, 3]
-
 
 class HybridConfigError(ValueError):
     """A configuration of :class:`~lightning_hybrid.HybridStrategy` that cannot work.

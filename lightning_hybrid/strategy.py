@@ -1,4 +1,4 @@
-"""HybridStrategy: the Lightning glue that composes the mesh, tensor parallel, ZeRO and (later) the pipeline.
+"""HybridStrategy: the Lightning glue that composes the mesh, tensor parallel, the pipeline and ZeRO.
 
 The logic lives in the per-concern packages; this class only decides *when* each runs in Lightning's loop.
 """
@@ -744,11 +744,6 @@ class HybridStrategy(ParallelStrategy):
         self.last_gradient_norm = self._gradient_norm.clip_(max_norm, norm=self._step_norm)
         return self.last_gradient_norm
 
-    def gradient_norm(self) -> float:
-        """The global gradient norm right now (collective), without clipping."""
-        assert self._gradient_norm is not None, "set up the optimizers first"
-        return self._gradient_norm.total()
-
     @property
     def pipeline_timeline(self) -> Any:
         """This rank's :class:`~lightning_hybrid.pipeline.runner.StepTimeline` of the last pipeline step (None
@@ -962,10 +957,6 @@ def _pipeline_network(
             " module that holds it, or leave `pipeline_network` None."
         )
     return network_name, network, structure.blocks_name[len(prefix) :]
-
-
-def _num_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def _first_replica_buffers(module: nn.Module, state: dict[str, Any], data_group: Any) -> dict[str, Any]:
