@@ -732,3 +732,20 @@ def test_offline_wandb_without_credentials(monkeypatch: pytest.MonkeyPatch, tmp_
 
 if __name__ == "__main__":
     _worker_main()
+
+
+def test_peak_flops_of_an_h200_that_lightnings_table_does_not_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning 2.6 gives no peak for a GPU named "NVIDIA H200", so MFU would be missing on H200 machines: the
+    monitor takes the H100 SXM's dense figures (the same compute), and still defers to Lightning where it knows."""
+    import lightning.fabric.utilities.throughput as throughput
+
+    from lightning_hybrid.monitoring.flops import device_peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(throughput, "get_available_flops", lambda device, dtype: None)
+    cuda = torch.device("cuda", 0)
+    assert device_peak_flops(cuda, torch.bfloat16) == 989.4e12
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert device_peak_flops(cuda, torch.float32) == 494.7e12  # TF32
+    monkeypatch.setattr(throughput, "get_available_flops", lambda device, dtype: 1.0e15)
+    assert device_peak_flops(cuda, torch.bfloat16) == 1.0e15

@@ -14,11 +14,17 @@ if TYPE_CHECKING:
 __all__ = ["count_parameters", "device_peak_flops", "transformer_flops_per_token"]
 
 
+# A GPU named plainly "NVIDIA H200" matches no key of Lightning 2.6's table (it knows "h200 sxm1"/"nvl1", and lists
+# those with sparsity). The H200's compute is the H100 SXM's: the dense figures of Lightning's "h100 sxm" entry.
+_H200_DENSE_FLOPS = {torch.float64: 33.5e12, torch.float32: 66.9e12, "tf32": 494.7e12, torch.bfloat16: 989.4e12,
+                     torch.float16: 989.4e12, torch.int8: 1978.9e12}  # fmt: skip
+
+
 def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[float]:
     """Peak FLOP/s of one ``device`` for matmuls in ``dtype``, from Lightning's device table
     (:func:`lightning.fabric.utilities.throughput.get_available_flops`; fp32 on Ampere or later counts TF32 when
-    ``torch.get_float32_matmul_precision()`` allows it), or None when Lightning does not know the device (CPUs,
-    unlisted GPUs, and in Lightning 2.6 the H200 by its usual name "NVIDIA H200"): pass ``peak_flops=`` to
+    ``torch.get_float32_matmul_precision()`` allows it), and for an H200 that table does not match, the H100 SXM's
+    dense figures; None for a device neither knows (CPUs, unlisted GPUs): pass ``peak_flops=`` to
     :class:`~lightning_hybrid.monitoring.HybridMonitor` then.
 
     Example:
@@ -28,6 +34,9 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16)
     from lightning.fabric.utilities.throughput import get_available_flops
 
     flops = get_available_flops(device, dtype)
+    if not flops and device.type == "cuda" and "h200" in torch.cuda.get_device_name(device).lower():
+        tf32 = dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+        flops = _H200_DENSE_FLOPS.get("tf32" if tf32 else dtype)
     return float(flops) if flops else None
 
 
