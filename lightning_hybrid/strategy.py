@@ -431,16 +431,18 @@ class HybridStrategy(ParallelStrategy):
             apply_activation_checkpointing(module, held_blocks)
         dp_replicated: list[str] = []
         if layout.zero_stage == 3:
-            # each pipeline stage module becomes the FSDP2 root of its own parameters (below)
-            roots = structure.fully_shard_roots(module) if split is None else None
-            dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"], **self._fsdp_kwargs())
-            if dp_replicated and self.precision_plugin.master_dtype is not None:
-                raise HybridConfigError(
-                    f"`precision={self.precision_plugin.precision!r}` with `zero_stage=3` cannot hold"
-                    f" {dp_replicated}: FSDP2 leaves them out (fused tensor-parallel biases, or parameters the"
-                    " LightningModule holds itself), so nothing casts them. Use zero_stage=1 or 2 with this"
-                    " precision, a '-mixed' precision with zero_stage=3, or move such parameters into a submodule."
-                )
+            # fully_shard is collective-free at set-up, and what it leaves out depends on the stage a rank holds
+            with raise_together():
+                # each pipeline stage module becomes the FSDP2 root of its own parameters (below)
+                roots = structure.fully_shard_roots(module) if split is None else None
+                dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"], **self._fsdp_kwargs())
+                if dp_replicated and self.precision_plugin.master_dtype is not None:
+                    raise HybridConfigError(
+                        f"`precision={self.precision_plugin.precision!r}` with `zero_stage=3` cannot hold"
+                        f" {dp_replicated}: FSDP2 leaves them out (fused tensor-parallel biases, or parameters the"
+                        " LightningModule holds itself), so nothing casts them. Use zero_stage=1 or 2 with this"
+                        " precision, a '-mixed' precision with zero_stage=3, or move such parameters into a submodule."
+                    )
         if split is not None:
             self._pipeline = self._build_runner(module, structure, split)
             self._tied_sync = self._tied_gradient_sync(module, structure, split)
