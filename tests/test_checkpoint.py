@@ -171,7 +171,8 @@ def safety(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         _dp2("resume-last", resume_from="last", callbacks=[_saver(directory)]),
         _dp2("async-resume", strategy={"zero_stage": 1, "async_checkpoint": True}, resume_after=3),
-        # a persistent buffer that holds each rank's rank: two values under one key, the save must refuse
+        # a persistent buffer that holds each rank's rank, on two tensor-parallel peers (copies of one replica, which
+        # must agree; data-parallel replicas' buffers are saved from the first replica): the save must refuse
         {
             **_dp2(
                 "error-conflicting-values",
@@ -180,11 +181,22 @@ def safety(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 callbacks=[{"kind": "ModelCheckpoint", "every_n_train_steps": 1, "save_top_k": -1}],
             ),
             "model": "nanogpt_rank_marker",
+            "strategy": {"tensor_parallel_size": 2, "zero_stage": 1},
+            "data_parallel_size": 1,
+        },
+        # the same buffer on two data-parallel replicas: saved from the first one, as Lightning's DDP saves rank 0's
+        {
+            **_dp2(
+                "rank-marker-dp2-saves",
+                steps=2,
+                callbacks=[{"kind": "ModelCheckpoint", "every_n_train_steps": 1, "save_top_k": -1}],
+            ),
+            "model": "nanogpt_rank_marker",
         },
         LLAMA,
         *ASYNC_TENSOR_PARALLEL2,
     ]
-    group = launch(2, scenarios, root / "group2", timeout=400)
+    group = launch(2, scenarios, root / "group2", timeout=600)
     reference = run_reference({"model": "nanogpt", "model_kwargs": SMALL, "data_parallel_size": 2, "batch_size": 16,
                                "steps": SMALL_STEPS})  # fmt: skip
     return {"killed": killed, "after_kill": after_kill, "group": group, "reference": reference, "root": root}
@@ -239,6 +251,23 @@ def test_save_refuses_two_values_under_one_key(safety: dict[str, Any]) -> None:
         assert text.startswith("CheckpointError: Refusing to save"), text
         assert "`state_dict.rank_marker`: rank 0 and rank 1 hold different values" in text, text
     assert errors[0] == errors[1]
+
+
+@pytest.mark.timeout(900)
+def test_data_parallel_replicas_buffers_are_saved_from_the_first_replica(safety: dict[str, Any]) -> None:
+    """A buffer each data-parallel replica sets differently (BatchNorm running statistics, here each rank's rank) is
+    one value in the checkpoint, the first replica's, as Lightning's DDP saves rank 0's."""
+    from lightning_hybrid.checkpoint.format import SafeFileSystemReader
+
+    safety["group"].get("rank-marker-dp2-saves")
+    checkpoint = next(safety["group"].out_dir.glob("rank-marker-dp2-saves/*step=2.ckpt"))
+    metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
+    assert "state_dict.rank_marker" in metadata.state_dict_metadata
+    import torch.distributed.checkpoint as dcp
+
+    state = {"state_dict.rank_marker": torch.full((1,), -1.0)}
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)), no_dist=True)
+    assert state["state_dict.rank_marker"].item() == 0.0
 
 
 @pytest.mark.timeout(900)
