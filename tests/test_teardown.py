@@ -89,3 +89,55 @@ def test_run_ending_in_a_configuration_error_exits_with_it(tmp_path: Path) -> No
     assert "terminate called" not in proc.stderr and "LEFT ALIVE" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "HybridConfigError: The batch size (6)" in last, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(700)
+def test_two_torchrun_agents_exit_cleanly(tmp_path: Path) -> None:
+    """As the issue ran it: two ``torchrun`` agents (``--nnodes 2`` on one host, 2 processes each) at tp2 x dp2. Each
+    agent exits 0 only if all of its ranks did (a rank aborting at exit failed the whole job before)."""
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = {"name": "torchrun", "devices": 2, "strategy": {"tensor_parallel_size": 2}, "trainer": {"num_nodes": 2}}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(rank),
+                "--nproc_per_node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "teardown",
+                str(ROOT / "tests" / "teardown_fit.py"),
+                json.dumps(spec),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        outputs = [agent.communicate(timeout=600) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    for rank, (agent, (_out, err)) in enumerate(zip(agents, outputs)):
+        assert agent.returncode == 0, f"agent {rank}: exit {agent.returncode}\n{err[-3000:]}"
+        assert not any(m in err for m in BAD), f"agent {rank}:\n{err[-3000:]}"
+    assert "RESULT" in outputs[0][0], outputs[0][0][-2000:]  # global rank 0 runs on the first agent
