@@ -337,7 +337,7 @@ class HybridStrategy(ParallelStrategy):
             # NCCL only; a gloo group left to interpreter finalization can abort the finished process ("terminate
             # called without an active exception"): its worker threads release tensors, which takes the GIL, and a
             # thread taking the GIL during finalization is ended by pthread_exit. A no-op if already destroyed.
-            atexit.register(_destroy_dist_connection)
+            atexit.register(_destroy_groups_at_exit)
         self._device_mesh = build_device_mesh(self._layout, self.root_device.type)
         self._data_group = self._device_mesh["data"].get_group()  # slicing a mesh builds a new one: once, not per step
         assert self.lightning_module is not None
@@ -959,6 +959,15 @@ def _pipeline_network(
             " module that holds it, or leave `pipeline_network` None."
         )
     return network_name, network, structure.blocks_name[len(prefix) :]
+
+
+def _destroy_groups_at_exit() -> None:
+    """Destroy every process group, then free what they leave behind (work objects, tensors their threads still
+    reference) while the interpreter can still run the destructors, instead of during finalization."""
+    import gc
+
+    _destroy_dist_connection()
+    gc.collect()
 
 
 def _first_replica_buffers(module: nn.Module, state: dict[str, Any], data_group: Any) -> dict[str, Any]:
