@@ -56,6 +56,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
         module = build_bucket_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
     module = build_any_module(model, **kwargs) if module is None else module
     if module is None:
+        from tests.zoo_models import build_zoo_module
+
+        module = build_zoo_module(model, **kwargs)
+    if module is None:
         from tests.pipeline_models import build_pipeline_module
 
         module = build_pipeline_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})

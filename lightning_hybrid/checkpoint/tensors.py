@@ -43,23 +43,23 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _unstrided(t: DTensor) -> DTensor:
-    """A fused projection's DTensor (``_StridedShard(0, k)`` over tensor ranks, which DCP cannot lay out) as the
-    same storage viewed ``[k, rows/k, ...]`` with a plain ``Shard(1)``: each rank's rows are one contiguous slab per
-    block in that view, so DCP saves, loads and reshards it like any sharded tensor."""
+    """A fused projection's DTensor (``_StridedShard(d, k)`` over tensor ranks, which DCP cannot lay out) as the
+    same storage viewed with dimension ``d`` split into ``[k, size/k]`` and a plain ``Shard(d + 1)``: each rank's part
+    is one contiguous slab per block in that view, so DCP saves, loads and reshards it like any sharded tensor."""
     index = _fused_index(t)
     assert index is not None
-    k = t.placements[index].split_factor
+    d, k = t.placements[index].dim % t.dim(), t.placements[index].split_factor
     local = t.to_local()
     placements = []
     for i, p in enumerate(t.placements):
         if i == index:
-            placements.append(Shard(1))
-        elif p.is_shard():
-            placements.append(Shard(p.dim + 1))  # a later dimension shifts by the added block dimension
+            placements.append(Shard(d + 1))
+        elif p.is_shard() and p.dim % t.dim() >= d:
+            placements.append(Shard(p.dim % t.dim() + 1))  # a later dimension shifts by the added block dimension
         else:
             placements.append(p)
-    shape = (k, t.shape[0] // k, *t.shape[1:])
-    view = local.view(k, local.shape[0] // k, *local.shape[1:])
+    shape = (*t.shape[:d], k, t.shape[d] // k, *t.shape[d + 1 :])
+    view = local.view(*local.shape[:d], k, local.shape[d] // k, *local.shape[d + 1 :])
     return DTensor.from_local(view, t.device_mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape))
 
 

@@ -13,7 +13,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_hybrid._hooks import map_first_input, map_output
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.structure import ModelStructure
-from lightning_hybrid.tensor_parallel.plan import HEAD_COUNT_ATTRIBUTES, FusedColwiseParallel, TensorParallelPlan
+from lightning_hybrid.tensor_parallel.plan import HEAD_COUNT_ATTRIBUTES, TensorParallelPlan
+from lightning_hybrid.tensor_parallel.styles import FusedColwiseParallel, LocalShardParallel, region_role
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -32,6 +33,13 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
     problems = []
     for name, style in plan.styles.items():
         module = root.get_submodule(name)
+        if isinstance(style, LocalShardParallel):
+            for pname, placement in style.placements.items():
+                shape, blocks = module.get_parameter(pname).shape, getattr(placement, "split_factor", 1)
+                if isinstance(placement, Shard) and shape[placement.dim] % (tp * blocks):
+                    what = f"dim {placement.dim}" + (f" per packed block ({blocks} blocks)" if blocks > 1 else "")
+                    problems.append(f"{name}.{pname}[{what}]={shape[placement.dim] // blocks}")
+            continue
         if isinstance(module, nn.Linear):
             if isinstance(style, FusedColwiseParallel):
                 dim, what = module.out_features // style.num_blocks, "out_features per fused block"
@@ -117,6 +125,15 @@ def apply_tensor_parallel(
     tp = mesh.size()
     validate_tensor_parallel_plan(root, plan, tp)
     if sequence_parallel:
+        closed_within = [n for n, s in plan.styles.items() if isinstance(s, (ColwiseParallel, RowwiseParallel))
+                         and region_role(s) is None and n not in (structure.token_embedding_name,
+                                                                   structure.output_head_name)]  # fmt: skip
+        if closed_within:
+            raise HybridConfigError(
+                f"`sequence_parallel=True` needs every split in the blocks opened column-wise and closed row-wise, but"
+                f" {closed_within[:3]} gather or slice within the layer ('colwise_gather_output'/"
+                "'rowwise_split_input' styles). Turn `sequence_parallel` off, or give 'colwise'/'rowwise' plans."
+            )
         for name, style in list(plan.styles.items()):
             if type(style) is RowwiseParallel and name != structure.token_embedding_name:
                 plan.styles[name] = RowwiseParallel(output_layouts=Shard(1))
@@ -134,7 +151,8 @@ def apply_tensor_parallel(
         if isinstance(param, DTensor):
             continue
         owner = name.rsplit(".", 1)[0]
-        inside = any(owner == r or owner.startswith(r + ".") for r in plan.sharded_region_modules)
+        summed = plan.sharded_region_modules | plan.gradient_sum_modules
+        inside = any(owner == r or owner.startswith(r + ".") for r in summed)
         replicated.append((param, "sum" if inside else "avg"))
     return replicated
 

@@ -1,26 +1,30 @@
 """Tensor-parallel plans: found automatically, translated from Hugging Face, or given as a dict of name patterns.
 
 A plan is a dict ``{fully qualified module name: ParallelStyle}`` for ``torch.distributed.tensor.parallel``. The
-styles are torch's own (``ColwiseParallel``/``RowwiseParallel``...); the one style torch lacks, a column-wise split of
-a *fused* projection (q|k|v or gate|up stored in one Linear), is defined here.
+styles are torch's own (``ColwiseParallel``/``RowwiseParallel``...) where torch has one; the few it lacks, and the
+translation of transformers' style names, are in :mod:`lightning_hybrid.tensor_parallel.styles`.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from functools import partial
-from types import MethodType
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.structure import ModelStructure
+from lightning_hybrid.tensor_parallel.styles import (
+    FusedColwiseParallel,
+    GradientSum,
+    parameter_placement,
+    region_role,
+    style_from_name,
+)
 
-__all__ = ["FusedColwiseParallel", "TensorParallelPlan", "build_tensor_parallel_plan"]
+__all__ = ["TensorParallelPlan", "build_tensor_parallel_plan"]
 
 # Leaf names of Linear layers in common transformer families (nanoGPT, Llama/Mistral/Qwen, GPT-J/NeoX, Falcon, BERT).
 COLWISE_NAMES = {
@@ -49,66 +53,6 @@ HEAD_COUNT_ATTRIBUTES = ("n_head", "num_heads", "num_attention_heads", "n_kv_hea
 PlanSpec = Union[str, dict[str, Union[str, ParallelStyle]]]
 
 
-class FusedColwiseParallel(ColwiseParallel):
-    """Column-wise split of a fused projection whose output is ``num_blocks`` equal blocks (e.g. q|k|v).
-
-    torch's ``ColwiseParallel`` cuts the weight into contiguous row ranges, which for a fused q|k|v weight hands rank 0
-    all of q and part of k. Here each block is split separately (DTensor's strided sharding), so every rank holds
-    ``[q_r | k_r | v_r]`` and code like ``q, k, v = c_attn(x).chunk(3, dim=-1)`` stays correct.
-
-    The layer computes on its local tensors (:func:`_local_linear_forward`): the product needs no collective, and
-    torch 2.11's DTensor cannot redistribute a strided shard, which its matmul rules would ask for.
-
-    Example:
-        >>> style = FusedColwiseParallel(num_blocks=3)
-    """
-
-    def __init__(self, *, num_blocks: int, use_local_output: bool = True) -> None:
-        super().__init__(use_local_output=use_local_output)
-        self.num_blocks = num_blocks
-
-    def _placement(self, dim: int) -> Any:
-        # torch has no public placement for "split each of k blocks"; _StridedShard is the placement FSDP2+TP uses
-        # for exactly this layout, and checkpoints see the original, unpermuted weight through a block view
-        from torch.distributed.tensor.placement_types import _StridedShard
-
-        return _StridedShard(dim, split_factor=self.num_blocks)
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        for pname, param in module.named_parameters():
-            dist_param = nn.Parameter(distribute_tensor(param, device_mesh, [self._placement(0)]), param.requires_grad)
-            module.register_parameter(pname, dist_param)
-
-    def _prepare_output(self, mod: nn.Module, outputs: Tensor, device_mesh: Any) -> Any:
-        # the local output is already [q_r | k_r | v_r]: no redistribution
-        if self.use_local_output:
-            return outputs
-        return DTensor.from_local(outputs, device_mesh, [self._placement(outputs.dim() - 1)], run_check=False)
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        if not isinstance(module, nn.Linear):
-            raise HybridConfigError(
-                f"FusedColwiseParallel (the 'fused_colwise_<k>' style) splits nn.Linear layers only, not"
-                f" {type(module).__name__}. Give that module another style in `tensor_parallel_plan`."
-            )
-        input_fn = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
-        distribute_module(module, device_mesh, self._partition_linear_fn, input_fn, self._prepare_output)
-        module.forward = MethodType(_local_linear_forward, module)
-        return module
-
-
-def _local_linear_forward(self: nn.Linear, input: Any) -> Tensor:
-    """``nn.Linear.forward`` of a fused column-parallel layer, on local tensors: ``x @ W_r^T + b_r`` is this rank's
-    ``[q_r | k_r | v_r]``. The weight's and bias's gradients come back laid out like them; the input's gradient here
-    is this rank's heads' share only, so it is marked ``Partial`` and the input hook's DTensor sums it over the
-    tensor-parallel ranks in backward (the all-reduce a DTensor matmul would have done)."""
-    if isinstance(input, DTensor):
-        input = input.to_local(grad_placements=[Partial()] * input.device_mesh.ndim)
-    bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
-    weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
-    return F.linear(input, weight, bias)
-
-
 class TensorParallelPlan:
     """A resolved plan: the styles per module, the attention modules whose head counts shrink, and the modules that
     sit between a column- and a row-wise split (their own replicated parameters see only a shard of the heads)."""
@@ -117,6 +61,8 @@ class TensorParallelPlan:
         self.styles: dict[str, ParallelStyle] = {}
         self.attention_modules: set[str] = set()
         self.sharded_region_modules: set[str] = set()
+        # modules whose replicated parameters see one rank's share of a split: gradients summed, not averaged
+        self.gradient_sum_modules: set[str] = set()
         self.vocab_parallel_head: Optional[str] = None
 
     def restrict_to(self, root: nn.Module) -> None:
@@ -131,6 +77,7 @@ class TensorParallelPlan:
         self.styles = {n: s for n, s in self.styles.items() if held(n)}
         self.attention_modules = {n for n in self.attention_modules if held(n)}
         self.sharded_region_modules = {n for n in self.sharded_region_modules if held(n)}
+        self.gradient_sum_modules = {n for n in self.gradient_sum_modules if held(n)}
         if self.vocab_parallel_head is not None and not held(self.vocab_parallel_head):
             # the head is on another stage; the loss still runs there under loss_parallel, not here
             pass
@@ -193,7 +140,7 @@ def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStru
             inside_blocks = name not in (structure.token_embedding_name, structure.output_head_name)
         if not inside_blocks or not isinstance(root.get_submodule(name), nn.Linear):
             continue  # embeddings and the head are split on their own: they open no region
-        kind = "row" if isinstance(style, RowwiseParallel) else "col" if isinstance(style, ColwiseParallel) else None
+        kind = region_role(style)
         if kind:
             regions.setdefault(_parent(name), set()).add(kind)
     for parent, kinds in regions.items():
@@ -209,29 +156,6 @@ def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStru
             plan.attention_modules.add(parent)
 
 
-_STRING_STYLES = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "sequence_parallel": SequenceParallel,
-}
-
-
-def _style_from_string(style: str, name: str) -> ParallelStyle:
-    if style in ("embedding_rowwise", "vocab_parallel_embedding"):
-        return RowwiseParallel(input_layouts=Replicate())
-    if style in ("colwise_rep", "colwise_gather_output"):
-        return ColwiseParallel(output_layouts=Replicate())
-    if style.startswith("fused_colwise_"):
-        return FusedColwiseParallel(num_blocks=int(style.rsplit("_", 1)[1]))
-    if style in _STRING_STYLES:
-        return _STRING_STYLES[style]()
-    known = sorted([*_STRING_STYLES, "embedding_rowwise", "colwise_rep", "colwise_gather_output", "fused_colwise_<k>"])
-    raise HybridConfigError(
-        f"`tensor_parallel_plan` gives {name!r} the style {style!r}, which is not one of {known}. Use one of these or"
-        " a torch ParallelStyle object."
-    )
-
-
 def _pattern_plan(
     root: nn.Module,
     structure: ModelStructure,
@@ -239,21 +163,44 @@ def _pattern_plan(
     vocab_parallel_loss: bool,
 ) -> TensorParallelPlan:
     plan = TensorParallelPlan()
-    names = [n for n, _ in root.named_modules() if n]
+    modules = {n: m for n, m in root.named_modules() if n}
+    parameters = dict(root.named_parameters())
+    module_styles: dict[str, Union[str, ParallelStyle]] = {}
+    placements: dict[str, dict[str, Placement]] = {}  # module -> its own parameters' placements (parameter entries)
     for pattern, style in patterns.items():
-        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
+        matched = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
+        by_name = isinstance(style, str)  # a parameter takes a style name; a ParallelStyle object goes on a module
+        matched_parameters = [n for n in parameters if by_name and fnmatch.fnmatchcase(n, pattern)]
+        if not matched and not matched_parameters:
             raise HybridConfigError(
                 f"The tensor-parallel plan pattern {pattern!r} matches no module of {type(root).__name__}. Module"
-                f" names look like {names[:6]}; fix the pattern (fnmatch syntax, '*' for a layer index)."
+                f" names look like {list(modules)[:6]}; fix the pattern (fnmatch syntax, '*' for a layer index)."
             )
         for name in matched:
-            if isinstance(style, ParallelStyle):
-                plan.styles[name] = style
-            elif name in (structure.output_head_name,) and style in ("colwise_rep", "colwise_gather_output"):
+            if name == structure.output_head_name and style in ("colwise_rep", "colwise_gather_output"):
                 continue  # the vocabulary head is handled below, keeping logits sharded for the loss
-            else:
-                plan.styles[name] = _style_from_string(style, name)
+            module_styles[name] = style
+        for name in matched_parameters:
+            placement = parameter_placement(style, name, parameters[name])
+            if placement is not None:
+                owner, _, attr = name.rpartition(".")
+                placements.setdefault(owner, {})[attr] = placement
+    for owner in placements:
+        if owner not in module_styles:
+            raise HybridConfigError(
+                f"`tensor_parallel_plan` shards parameters of {owner!r} ({', '.join(placements[owner])}) but gives the"
+                f" module no style: add {{{owner!r}: 'moe_tp_experts'}} (experts whose partial outputs are summed) or"
+                " 'local_params' to the plan."
+            )
+    for name, style in module_styles.items():
+        if isinstance(style, ParallelStyle):
+            plan.styles[name] = style
+            continue
+        translated = style_from_name(style, name, modules[name], placements.get(name))
+        if isinstance(translated, GradientSum):
+            plan.gradient_sum_modules.add(name)
+        elif translated is not None:
+            plan.styles[name] = translated
     _finish_plan(plan, root, structure)
     head_given = structure.output_head_name in plan.styles
     emb_given = structure.token_embedding_name in plan.styles

@@ -1,0 +1,60 @@
+"""Causal language models written by others (Hugging Face transformers), built from tiny configs with no weights, in a
+LightningModule written for one device: the model's own declared tensor-parallel plan is what the strategy reads."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+# tiny configs; each family's declared plan exercises other transformers style names
+FAMILIES: dict[str, dict[str, Any]] = {
+    # 'colwise_gather_output' / 'rowwise_split_input' (fused qkv and gate|up sliced in forward)
+    "phi3": {"intermediate_size": 64, "num_key_value_heads": 2, "pad_token_id": 0},
+    # 'moe_tp_experts' with 'packed_colwise' / 'rowwise' on 3-D expert weights
+    "mixtral": {"intermediate_size": 64, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+    # 'replicated_with_grad_allreduce' on the per-head q/k norms
+    "qwen3": {"intermediate_size": 64, "num_key_value_heads": 2, "head_dim": 8},
+    # 'colwise' on a per-head interleaved fused query_key_value, 'embedding_rowwise'
+    # (no attention bias: the key bias's true gradient is zero, and Adam turns its rounding noise into full steps)
+    "gpt_neox": {"intermediate_size": 64, "attention_bias": False},
+}
+COMMON = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2,
+          "tie_word_embeddings": False}  # fmt: skip
+
+
+class HFCausalLM(L.LightningModule):
+    """Any transformers causal LM family from a config, trained from scratch on the test corpus."""
+
+    def __init__(self, family: str, learning_rate: float = 1e-4, **config: Any) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.save_hyperparameters()
+        kwargs = {**COMMON, **FAMILIES[family], **config}
+        config = AutoConfig.for_model(family, **kwargs)
+        self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        self.example_input_array = torch.zeros(2, 16, dtype=torch.long)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate, weight_decay=0.1)
+
+
+def build_zoo_module(model: str, **kwargs: Any) -> Optional[L.LightningModule]:
+    """``"hf-<family>"`` -> the module; ``None`` for other names."""
+    if not model.startswith("hf-"):
+        return None
+    return HFCausalLM(model[3:], **kwargs)
