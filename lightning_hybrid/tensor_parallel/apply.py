@@ -125,9 +125,9 @@ def apply_tensor_parallel(
     tp = mesh.size()
     validate_tensor_parallel_plan(root, plan, tp)
     if sequence_parallel:
-        closed_within = [n for n, s in plan.styles.items() if isinstance(s, (ColwiseParallel, RowwiseParallel))
-                         and region_role(s) is None and n not in (structure.token_embedding_name,
-                                                                   structure.output_head_name)]  # fmt: skip
+        vocab = (structure.token_embedding_name, structure.output_head_name)
+        splits = {n: s for n, s in plan.styles.items() if isinstance(s, (ColwiseParallel, RowwiseParallel))}
+        closed_within = [n for n, s in splits.items() if region_role(s) is None and n not in vocab]
         if closed_within:
             raise HybridConfigError(
                 f"`sequence_parallel=True` needs every split in the blocks opened column-wise and closed row-wise, but"
