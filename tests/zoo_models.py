@@ -8,6 +8,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # tiny configs; each family's declared plan exercises other transformers style names
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -53,8 +54,41 @@ class HFCausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate, weight_decay=0.1)
 
 
+class TorchEncoderLM(L.LightningModule):
+    """A language model built from torch's own ``nn.TransformerEncoder`` (causal mask, pre-norm): no layer name of
+    the tensor-parallel names table, and attention inside ``nn.MultiheadAttention``'s fused kernel call."""
+
+    def __init__(self, vocab_size: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, lr: float = 1e-4) -> None:
+        super().__init__()
+        self.lr = lr
+        self.embed = nn.Embedding(vocab_size, dim)
+        # no biases: the key bias's true gradient is zero, and Adam turns its rounding noise into full steps
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True, bias=False
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab_size)
+        self.example_input_array = torch.zeros(2, 8, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1))
+        return self.head(self.encoder(self.embed(x), mask=mask, is_causal=True))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
 def build_zoo_module(model: str, **kwargs: Any) -> Optional[L.LightningModule]:
-    """``"hf-<family>"`` -> the module; ``None`` for other names."""
+    """``"hf-<family>"`` or ``"torch-encoder"`` -> the module; ``None`` for other names."""
+    if model == "torch-encoder":
+        return TorchEncoderLM(**kwargs)
     if not model.startswith("hf-"):
         return None
     return HFCausalLM(model[3:], **kwargs)

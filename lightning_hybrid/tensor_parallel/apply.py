@@ -3,6 +3,7 @@ parameters need their gradients made consistent across the tensor-parallel group
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_hybrid._hooks import map_first_input, map_output
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.structure import ModelStructure
-from lightning_hybrid.tensor_parallel.plan import HEAD_COUNT_ATTRIBUTES, TensorParallelPlan
+from lightning_hybrid.tensor_parallel.plan import HEAD_COUNT_ATTRIBUTES, TensorParallelPlan, config_head_counts
 from lightning_hybrid.tensor_parallel.styles import FusedColwiseParallel, LocalShardParallel, region_role
 
 if TYPE_CHECKING:
@@ -43,6 +44,13 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
         if isinstance(module, nn.Linear):
             if isinstance(style, FusedColwiseParallel):
                 dim, what = module.out_features // style.num_blocks, "out_features per fused block"
+                if unequal := _grouped_query_counts(root, name, style):
+                    raise HybridConfigError(
+                        f"{name!r} is split as {style.num_blocks} equal fused blocks (q|k|v), but its attention has"
+                        f" {unequal}: under grouped-query attention q, k and v differ in size and no tensor-parallel"
+                        " layout splits each part exactly. Leave the attention replicated: give `tensor_parallel_plan`"
+                        " as a dict naming only the MLP layers."
+                    )
             elif isinstance(style, ColwiseParallel):
                 dim, what = module.out_features, "out_features"
             elif isinstance(style, RowwiseParallel):
@@ -63,6 +71,7 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
             value = getattr(module, attr, None)
             if isinstance(value, int) and value % tp:
                 problems.append(f"{name}.{attr}={value}")
+        problems += [f"{name}.config.{a}={v}" for a, v in config_head_counts(module).items() if v % tp]
     # Hugging Face attention reads head counts from the model config, not from module attributes
     configs = {id(c): c for m in root.modules() if (c := getattr(m, "config", None)) is not None}.values()
     for config in configs:
@@ -76,6 +85,21 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
             f"{' ...' if len(problems) > 6 else ''}. Choose a tensor_parallel_size that divides the number of heads,"
             " the hidden/FFN sizes and the vocabulary (pad the vocabulary to a multiple of it)."
         )
+
+
+def _grouped_query_counts(root: nn.Module, name: str, style: FusedColwiseParallel) -> str:
+    """``"n_head=8, n_query_groups=2"`` where the attention owning a 3-block fused projection has fewer key/value
+    heads than query heads (read from the module or its config), else ``""``."""
+    if style.num_blocks != 3 or "." not in name:
+        return ""
+    owner = root.get_submodule(name.rsplit(".", 1)[0])
+    counts = {a: getattr(owner, a) for a in HEAD_COUNT_ATTRIBUTES if isinstance(getattr(owner, a, None), int)}
+    counts = counts or config_head_counts(owner)
+    query = next((a for a in ("n_head", "num_heads", "num_attention_heads") if a in counts), None)
+    kv = next((a for a in ("n_kv_head", "n_kv_heads", "num_key_value_heads", "n_query_groups") if a in counts), None)
+    if query and kv and counts[query] != counts[kv]:
+        return f"{query}={counts[query]}, {kv}={counts[kv]}"
+    return ""
 
 
 def _sequence_parallel(root: nn.Module, structure: ModelStructure, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
@@ -124,6 +148,12 @@ def apply_tensor_parallel(
     """
     tp = mesh.size()
     validate_tensor_parallel_plan(root, plan, tp)
+    if sequence_parallel and plan.inside_split is not None:
+        raise HybridConfigError(
+            "`sequence_parallel=True` hooks the inputs of each split region's module, and a plan found from the data"
+            " flow has no such modules. Give `tensor_parallel_plan` as a dict (the plan printed at set-up), or turn"
+            " `sequence_parallel` off."
+        )
     if sequence_parallel:
         vocab = (structure.token_embedding_name, structure.output_head_name)
         splits = {n: s for n, s in plan.styles.items() if isinstance(s, (ColwiseParallel, RowwiseParallel))}
@@ -144,6 +174,12 @@ def apply_tensor_parallel(
         for attr in HEAD_COUNT_ATTRIBUTES:
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, getattr(module, attr) // tp)
+        if counts := config_head_counts(module):
+            # a copy per attention module: the config object is shared (the model's, the hyper-parameters a
+            # checkpoint saves), and only this module computes on a rank's share of the heads
+            module.config = copy.copy(module.config)
+            for attr, value in counts.items():
+                setattr(module.config, attr, value // tp)
     _retie(root, structure)
 
     replicated = []
@@ -151,8 +187,11 @@ def apply_tensor_parallel(
         if isinstance(param, DTensor):
             continue
         owner = name.rsplit(".", 1)[0]
-        summed = plan.sharded_region_modules | plan.gradient_sum_modules
-        inside = any(owner == r or owner.startswith(r + ".") for r in summed)
+        if plan.inside_split is not None:  # found by data flow: exactly the modules between the splits
+            inside = owner in plan.inside_split or owner in plan.gradient_sum_modules
+        else:
+            summed = plan.sharded_region_modules | plan.gradient_sum_modules
+            inside = any(owner == r or owner.startswith(r + ".") for r in summed)
         replicated.append((param, "sum" if inside else "avg"))
     return replicated
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import fnmatch
 from typing import Optional, Union
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.structure import ModelStructure
+from lightning_hybrid.tensor_parallel.discover import discover_block_plan
 from lightning_hybrid.tensor_parallel.styles import (
     FusedColwiseParallel,
     GradientSum,
@@ -29,7 +31,7 @@ __all__ = ["TensorParallelPlan", "build_tensor_parallel_plan"]
 # Leaf names of Linear layers in common transformer families (nanoGPT, Llama/Mistral/Qwen, GPT-J/NeoX, Falcon, BERT).
 COLWISE_NAMES = {
     "q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
-    "c_fc", "fc1", "fc_in", "up_proj", "gate_proj", "w1", "w3", "dense_h_to_4h",
+    "c_fc", "fc1", "fc_in", "up_proj", "gate_proj", "w1", "w3", "dense_h_to_4h", "fc", "fc_1", "fc_2",
 }  # fmt: skip
 ROWWISE_NAMES = {
     "o_proj",
@@ -48,7 +50,19 @@ ROWWISE_NAMES = {
 FUSED_NAMES = {"c_attn": 3, "qkv": 3, "qkv_proj": 3, "Wqkv": 3, "in_proj": 3, "gate_up_proj": 2, "w13": 2}
 # Attributes that count attention heads: divided by the tensor-parallel size on the attention module, because after a
 # column-wise split each rank computes only its share of the heads.
-HEAD_COUNT_ATTRIBUTES = ("n_head", "num_heads", "num_attention_heads", "n_kv_head", "n_kv_heads", "num_key_value_heads")
+HEAD_COUNT_ATTRIBUTES = (
+    "n_head", "num_heads", "num_attention_heads", "n_kv_head", "n_kv_heads", "num_key_value_heads", "n_query_groups",
+)  # fmt: skip
+
+
+def config_head_counts(module: nn.Module) -> dict[str, int]:
+    """Head counts the module reads from its own ``config`` object (litgpt's ``self.config.n_head``). Hugging Face
+    attention reshapes with ``-1`` and never needs them changed, so its configs are left out."""
+    config = getattr(module, "config", None)
+    if config is None or type(config).__module__.startswith("transformers"):
+        return {}
+    return {a: v for a in HEAD_COUNT_ATTRIBUTES if isinstance(v := getattr(config, a, None), int)}
+
 
 PlanSpec = Union[str, dict[str, Union[str, ParallelStyle]]]
 
@@ -63,6 +77,9 @@ class TensorParallelPlan:
         self.sharded_region_modules: set[str] = set()
         # modules whose replicated parameters see one rank's share of a split: gradients summed, not averaged
         self.gradient_sum_modules: set[str] = set()
+        # a plan found by data flow knows exactly which modules compute between its splits (``None``: by names, every
+        # module under a split region's parent does)
+        self.inside_split: Optional[set[str]] = None
         self.vocab_parallel_head: Optional[str] = None
 
     def restrict_to(self, root: nn.Module) -> None:
@@ -78,6 +95,8 @@ class TensorParallelPlan:
         self.attention_modules = {n for n in self.attention_modules if held(n)}
         self.sharded_region_modules = {n for n in self.sharded_region_modules if held(n)}
         self.gradient_sum_modules = {n for n in self.gradient_sum_modules if held(n)}
+        if self.inside_split is not None:
+            self.inside_split = {n for n in self.inside_split if held(n)}
         if self.vocab_parallel_head is not None and not held(self.vocab_parallel_head):
             # the head is on another stage; the loss still runs there under loss_parallel, not here
             pass
@@ -105,6 +124,8 @@ def _vocab_styles(plan: TensorParallelPlan, structure: ModelStructure, vocab_par
 
 
 def _auto_plan(root: nn.Module, structure: ModelStructure, vocab_parallel_loss: bool) -> TensorParallelPlan:
+    """The names table first (fast, no forward); where it finds nothing or leaves a region open, the data flow of
+    one forward of the module's ``example_input_array`` (:func:`discover_block_plan`)."""
     plan = TensorParallelPlan()
     blocks = root.get_submodule(structure.blocks_name)
     for index, block in enumerate(blocks):
@@ -119,15 +140,56 @@ def _auto_plan(root: nn.Module, structure: ModelStructure, vocab_parallel_loss: 
                 plan.styles[fqn] = ColwiseParallel()
             elif leaf in ROWWISE_NAMES:
                 plan.styles[fqn] = RowwiseParallel()
-    _finish_plan(plan, root, structure)
+    names_error: Optional[HybridConfigError] = None
+    try:
+        _finish_plan(plan, root, structure)
+    except HybridConfigError as error:
+        names_error = error
+    if names_error is not None or not plan.styles:
+        plan = _data_flow_plan(root, structure, names_error)
     _vocab_styles(plan, structure, vocab_parallel_loss)
-    if not plan.styles:
-        raise HybridConfigError(
-            "`tensor_parallel_plan='auto'` found no Linear layer it knows how to split in the blocks of"
-            f" {structure.blocks_name!r}. Give a plan: `tensor_parallel_plan={{'{structure.blocks_name}.*.attn.q': "
-            "'colwise', ...}`, or parallelize in `configure_model` with `self.device_mesh['tensor']`."
-        )
     return plan
+
+
+def _data_flow_plan(
+    root: nn.Module, structure: ModelStructure, names_error: Optional[HybridConfigError]
+) -> TensorParallelPlan:
+    example = getattr(root, "example_input_array", None)
+    if example is None:
+        why = f" (by names: {names_error})" if names_error else ""
+        raise HybridConfigError(
+            "`tensor_parallel_plan='auto'` could not tell the split layers of the blocks of"
+            f" {structure.blocks_name!r} from their names{why}, and the module has no `example_input_array` to follow"
+            " the data flow of one forward. Set `self.example_input_array` in the LightningModule, or give a plan:"
+            f" `tensor_parallel_plan={{'{structure.blocks_name}.*.attn.q': 'colwise', ...}}`."
+        )
+    first, *others = structure.block_names()
+    block_plan, inside_split = discover_block_plan(root, first, example)
+    if not block_plan:
+        raise HybridConfigError(
+            f"`tensor_parallel_plan='auto'` found no pair of projections to split in {first!r} (by names or by data"
+            f" flow). Give a plan: `tensor_parallel_plan={{'{structure.blocks_name}.*.<layer>': 'colwise', ...}}`."
+        )
+    layout = _module_kinds(root.get_submodule(first))
+    plan = TensorParallelPlan()
+    plan.inside_split = set()
+    for block in [first, *others]:
+        if _module_kinds(root.get_submodule(block)) != layout:
+            raise HybridConfigError(
+                f"`tensor_parallel_plan='auto'` followed the data flow of {first!r}, but {block!r} is built"
+                " differently. Give `tensor_parallel_plan` as a dict for each kind of block."
+            )
+        for leaf, style in block_plan.items():
+            name = f"{block}.{leaf}"
+            plan.styles[name] = style_from_name(style, name, root.get_submodule(name))
+        plan.inside_split |= {f"{block}.{leaf}" for leaf in inside_split}
+    _finish_plan(plan, root, structure)
+    rank_zero_info(f"lightning-hybrid: tensor-parallel plan of {first!r} found from its data flow: {block_plan}")
+    return plan
+
+
+def _module_kinds(block: nn.Module) -> list[tuple[str, str]]:
+    return [(name, type(module).__name__) for name, module in block.named_modules()]
 
 
 def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStructure) -> None:
@@ -152,7 +214,9 @@ def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStru
             )
         plan.sharded_region_modules.add(parent)
         module = root.get_submodule(parent)
-        if any(isinstance(getattr(module, attr, None), int) for attr in HEAD_COUNT_ATTRIBUTES):
+        if any(isinstance(getattr(module, attr, None), int) for attr in HEAD_COUNT_ATTRIBUTES) or config_head_counts(
+            module
+        ):
             plan.attention_modules.add(parent)
 
 

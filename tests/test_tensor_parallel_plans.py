@@ -1,5 +1,6 @@
-"""Every tensor-parallel style name transformers 5 declares is translated into torch's styles or refused with the
-style named; models whose declared plans use them train at tp=2 like one device (fp32, 1e-5)."""
+"""Tensor-parallel plans for models written by others: every style name transformers 5 declares is translated into
+torch's styles or refused with the style named, and models whose declared plans use them train at tp=2 like one device
+(fp32, 1e-5); a model whose layer names tell nothing gets its plan from the data flow of one forward."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def scenario(family: str, strategy: dict[str, Any], **extra: Any) -> dict[str, A
 
 
 PARITY = [scenario(family, {"tensor_parallel_size": 2}) for family in ("phi3", "mixtral", "qwen3", "gpt_neox")]
+# torch's nn.TransformerEncoder: the MLP (linear1 -> linear2) is found by data flow, attention stays replicated
+PARITY.append({**scenario("x", {"tensor_parallel_size": 2}), "name": "torch-encoder-tp2", "model": "torch-encoder"})
 share(2, PARITY)
 
 
@@ -121,3 +124,60 @@ def test_qwen3_norms_between_the_splits_have_their_gradients_summed() -> None:
     module = _hf("qwen3")
     plan = build_tensor_parallel_plan(module, find_model_structure(module))
     assert "model.model.layers.1.self_attn.q_norm" in plan.gradient_sum_modules
+
+
+def test_data_flow_finds_the_plan_names_do_not_tell() -> None:
+    from lightning_hybrid.tensor_parallel.discover import discover_block_plan
+    from tests.zoo_models import TorchEncoderLM
+
+    module = TorchEncoderLM()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    rng = torch.get_rng_state()
+    found = discover_block_plan(module, "encoder.layers.0", module.example_input_array)
+    # MultiheadAttention computes with its weights directly: it stays replicated
+    assert found.styles == {"linear1": "colwise", "linear2": "rowwise"}
+    assert found.inside_split == ["dropout"]  # the only module between linear1 and linear2: no attention, no norm
+    assert torch.equal(rng, torch.get_rng_state())  # the forward leaves no trace
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+    plan = build_tensor_parallel_plan(module, find_model_structure(module))
+    assert {n for n in plan.styles if n.startswith("encoder")} == {
+        f"encoder.layers.{i}.linear{j}" for i in (0, 1) for j in (1, 2)
+    }
+
+
+@pytest.mark.parametrize(
+    ("mlp", "groups", "expected"),
+    [
+        ("GptNeoxMLP", 4, {"attn.qkv": "fused_colwise_3", "attn.proj": "rowwise", "mlp.fc": "colwise",
+                           "mlp.proj": "rowwise"}),
+        ("LLaMAMLP", 4, {"attn.qkv": "fused_colwise_3", "attn.proj": "rowwise", "mlp.fc_1": "colwise",
+                         "mlp.fc_2": "colwise", "mlp.proj": "rowwise"}),
+    ],
+)  # fmt: skip
+def test_data_flow_reads_litgpt_blocks(mlp: str, groups: int, expected: dict[str, str]) -> None:
+    from litgpt import GPT, Config
+
+    from lightning_hybrid.tensor_parallel.discover import discover_block_plan
+
+    config = Config(block_size=16, vocab_size=128, padded_vocab_size=128, n_layer=2, n_head=4, n_embd=32,
+                    bias=False, mlp_class_name=mlp, intermediate_size=64, n_query_groups=groups)  # fmt: skip
+    net = GPT(config)
+    assert discover_block_plan(net, "transformer.h.0", torch.zeros(1, 8, dtype=torch.long)).styles == expected
+
+
+def test_grouped_query_fused_qkv_is_refused_not_split_wrong() -> None:
+    """litgpt's qkv holds q|k|v of unequal sizes under grouped-query attention: by data flow the split sizes show it,
+    and the names table's equal 3-block split is refused by the head counts on the module's config."""
+    from litgpt import GPT, Config
+
+    from lightning_hybrid.tensor_parallel import validate_tensor_parallel_plan
+    from lightning_hybrid.tensor_parallel.discover import discover_block_plan
+
+    config = Config(block_size=16, vocab_size=128, padded_vocab_size=128, n_layer=2, n_head=8, n_embd=32,
+                    bias=False, mlp_class_name="LLaMAMLP", intermediate_size=64, n_query_groups=2)  # fmt: skip
+    net = GPT(config)
+    with pytest.raises(HybridConfigError, match=r"unequal parts \[32, 8, 8\].*Found so far: .*mlp.fc_1"):
+        discover_block_plan(net, "transformer.h.0", torch.zeros(1, 8, dtype=torch.long))
+    plan = build_tensor_parallel_plan(net, find_model_structure(net))
+    with pytest.raises(HybridConfigError, match=r"attn.qkv' is split as 3 equal fused blocks.*n_head=8, n_query_gr"):
+        validate_tensor_parallel_plan(net, plan, 2)

@@ -1,0 +1,249 @@
+"""Finding a block's tensor-parallel plan from the data flow of one forward, when layer names do not tell it.
+
+One forward of the example input runs up to the end of the first block, with every torch function watched
+(``TorchFunctionMode``): each tensor carries the set of the block's linear layers it was computed from. A full-width
+normalization (the residual stream's norm) clears the set, so each projection's input shows which projections feed it
+directly:
+
+- a layer fed by other projections of the block closes a split region (row-wise), and those projections open it
+  (column-wise): q, k, v -> o_proj; gate, up -> down; fc -> proj;
+- a column-wise projection whose output is first reshaped into ``(heads, head_dim)`` keeps whole heads under a plain
+  split (per-head interleaved fused qkv); one whose output is first split into ``k`` equal parts along the features is
+  a fused projection (``fused_colwise_k``); unequal parts cannot be split exactly and are refused;
+- a chain of three or more projections, or a projection feeding two regions, is not decided: the error prints what
+  was found and the dict the user completes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_hybrid.config import HybridConfigError
+
+__all__ = ["BlockPlan", "discover_block_plan"]
+
+
+class BlockPlan(NamedTuple):
+    """A block's plan: style names by layer, and the modules that compute on a rank's shard between a column- and a
+    row-wise split (their replicated parameters' gradients are one rank's share, summed over the ranks)."""
+
+    styles: dict[str, str]
+    inside_split: list[str]
+
+
+_SPLITS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
+_RESHAPES = {"view", "reshape", "unflatten"}
+_PASS_THROUGH = {"to", "contiguous", "clone", "float", "half", "bfloat16", "type_as", "dropout"}
+
+
+class _StopAfterBlock(Exception):
+    """Ends the discovery forward once the first block has run: nothing after it is needed."""
+
+
+def _is_projection(module: nn.Module) -> bool:
+    # nn.Linear, and transformers' Conv1D (GPT-2), whose weight is stored transposed
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+class _DataFlow(TorchFunctionMode):
+    """Propagates, through every torch function, the set of projections each tensor was computed from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: dict[int, frozenset[str]] = {}
+        self.keep: list[Tensor] = []  # ids stay unique while the tensors live
+        self.produced_by: dict[int, str] = {}  # a projection's own output -> its name
+        self.first_use: dict[str, tuple[str, Any]] = {}  # projection -> how its output is first consumed
+
+    def mark(self, tensor: Tensor, sources: frozenset[str]) -> None:
+        self.sources[id(tensor)] = sources
+        self.keep.append(tensor)
+
+    def sources_of(self, value: Any) -> frozenset[str]:
+        found: frozenset[str] = frozenset()
+        for t in _tensors(value):
+            found |= self.sources.get(id(t), frozenset())
+        return found
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if args and isinstance(args[0], Tensor) and id(args[0]) in self.produced_by and _tensors(out):
+            name, fname = self.produced_by[id(args[0])], getattr(func, "__name__", "")
+            if fname in _PASS_THROUGH and isinstance(out, Tensor) and out.shape == args[0].shape:
+                self.produced_by[id(out)] = name  # still the projection's output, as far as its layout goes
+                self.keep.append(out)
+            elif name not in self.first_use:
+                self.first_use[name] = _describe_use(fname, args[0], out)
+        sources = self.sources_of((args, kwargs))
+        if sources:
+            for t in _tensors(out):
+                self.mark(t, sources)
+        return out
+
+
+def _describe_use(func: str, tensor: Tensor, out: Any) -> tuple[str, Any]:
+    """How a projection's output is first consumed: ("heads", n), ("split", sizes), or ("other", func)."""
+    features = tensor.shape[-1]
+    outs = _tensors(out)
+    if func in _RESHAPES and outs and outs[0].dim() > tensor.dim():
+        shape = outs[0].shape
+        if shape[-2] * shape[-1] == features and shape[-2] > 1:
+            return ("heads", int(shape[-2]))
+    if func in _SPLITS and len(outs) > 1 and all(o.dim() == tensor.dim() for o in outs):
+        sizes = [int(o.shape[-1]) for o in outs]
+        if sum(sizes) == features:
+            return ("split", sizes)
+    if func == "__getitem__" and outs and outs[0].dim() == tensor.dim() and outs[0].shape[-1] < features:
+        return ("slice", int(outs[0].shape[-1]))
+    return ("other", func)
+
+
+def _is_full_width_norm(module: nn.Module, width: int) -> bool:
+    if not (isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.lower().endswith("norm")):
+        return False
+    weight = getattr(module, "weight", None)
+    return weight is None or (isinstance(weight, Tensor) and weight.shape[-1:] == (width,))
+
+
+def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) -> BlockPlan:
+    """The plan of the block ``block_name`` (names relative to it), found from one forward of ``example_input``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> class MLP(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.norm, self.proj = nn.LayerNorm(8), nn.Linear(16, 8)
+        ...         self.fc_1, self.fc_2 = nn.Linear(8, 16), nn.Linear(8, 16)
+        ...     def forward(self, x):
+        ...         h = self.norm(x)
+        ...         return x + self.proj(torch.nn.functional.silu(self.fc_1(h)) * self.fc_2(h))
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ModuleList([MLP()]))
+        >>> net.forward = lambda x: net[1][0](net[0](x))
+        >>> discover_block_plan(net, "1.0", torch.zeros(2, 4)).styles
+        {'proj': 'rowwise', 'fc_1': 'colwise', 'fc_2': 'colwise'}
+    """
+    block = root.get_submodule(block_name)
+    projections = {n: m for n, m in block.named_modules() if n and _is_projection(m)}
+    flow = _DataFlow()
+    inputs: dict[str, frozenset[str]] = {}
+    width: list[int] = []
+    handles = []
+
+    def on_block_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = next(iter(_tensors((args, kwargs))), None)
+        width.append(int(first.shape[-1]) if first is not None else -1)
+
+    def on_projection(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            inputs.setdefault(name, flow.sources_of(args))
+            for t in _tensors(output):
+                flow.mark(t, frozenset({name}))
+                flow.produced_by[id(t)] = name
+
+        return hook
+
+    names = {id(m): n for n, m in block.named_modules() if n}
+    fed_by: dict[str, frozenset[str]] = {}  # every module of the block -> the projections its input comes from
+
+    def on_module(module: nn.Module, args: tuple, output: Any) -> None:
+        if id(module) in names:
+            fed_by.setdefault(names[id(module)], flow.sources_of(args))
+        if width and _is_full_width_norm(module, width[0]):
+            for t in _tensors(output):
+                flow.mark(t, frozenset())
+
+    def stop(module: nn.Module, args: tuple, output: Any) -> None:
+        raise _StopAfterBlock
+
+    handles.append(block.register_forward_pre_hook(on_block_input, with_kwargs=True))
+    for name, module in projections.items():
+        handles.append(module.register_forward_hook(on_projection(name)))
+    for module in block.modules():
+        handles.append(module.register_forward_hook(on_module))
+    handles.append(block.register_forward_hook(stop))
+    device = next((p.device for p in root.parameters()), torch.device("cpu"))
+    example = [t.to(device) for t in _tensors(example_input)] if not isinstance(example_input, Tensor) else None
+    # the forward must leave no trace: random streams (dropout) and buffers (running statistics) are put back
+    buffers = {name: b.detach().clone() for name, b in root.named_buffers()}
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), flow:
+            if example is None:
+                root(example_input.to(device))
+            elif isinstance(example_input, dict):
+                root(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in example_input.items()})
+            else:
+                root(*example)
+    except _StopAfterBlock:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for name, b in root.named_buffers():
+                b.copy_(buffers[name])
+    styles = _decide(block_name, projections, inputs, flow.first_use)
+    openers = {n for n, style in styles.items() if style != "rowwise"}
+    inside = [n for n, sources in fed_by.items() if sources & openers and styles.get(n) != "rowwise"]
+    return BlockPlan(styles, inside)
+
+
+def _decide(
+    block_name: str,
+    projections: dict[str, nn.Module],
+    inputs: dict[str, frozenset[str]],
+    first_use: dict[str, tuple[str, Any]],
+) -> dict[str, str]:
+    plan: dict[str, str] = {}
+    problems: list[str] = []
+    closers = {name: sources - {name} for name, sources in inputs.items() if sources - {name}}
+    openers: dict[str, str] = {}
+    for closer, sources in closers.items():
+        for source in sorted(sources):
+            if source in closers:
+                problems.append(f"{source!r} both feeds {closer!r} and is fed by {sorted(closers[source])}")
+            elif source in openers and openers[source] != closer:
+                problems.append(f"{source!r} feeds both {openers[source]!r} and {closer!r}")
+            openers[source] = closer
+    for closer in closers:
+        plan[closer] = "rowwise"
+    for opener in sorted(openers, key=list(projections).index):
+        use = first_use.get(opener, ("other", None))
+        if use[0] == "split":
+            sizes = use[1]
+            if len(set(sizes)) == 1:
+                plan[opener] = f"fused_colwise_{len(sizes)}"
+            else:
+                problems.append(
+                    f"{opener!r} is a fused projection split into unequal parts {sizes} (e.g. q|k|v under grouped-"
+                    "query attention): no tensor-parallel layout splits each part exactly"
+                )
+        elif use[0] == "slice":
+            problems.append(f"{opener!r}'s output is sliced in the forward: give its style ('colwise_gather_output'?)")
+        else:
+            plan[opener] = "colwise"
+    if problems:
+        found = {f"{block_name}.{k}": v for k, v in plan.items()}
+        raise HybridConfigError(
+            "`tensor_parallel_plan='auto'` could not decide the plan of "
+            f"{block_name!r} from its data flow: {'; '.join(problems)}. Found so far: {found}. Give"
+            " `tensor_parallel_plan` as a dict completing it with the layers named above (fnmatch patterns, '*' for"
+            " the layer index), or leave those layers out to keep them replicated."
+        )
+    return {k: plan[k] for k in projections if k in plan}
