@@ -244,7 +244,7 @@ def _pattern_plan(
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             raise HybridConfigError(
-                f"The tensor-parallel plan pattern {pattern!r} matches no module of {type(root).__name__}. Module"
+                f"`tensor_parallel_plan` pattern {pattern!r} matches no module of {type(root).__name__}. Module"
                 f" names look like {names[:6]}; fix the pattern (fnmatch syntax, '*' for a layer index)."
             )
         for name in matched:
