@@ -5,8 +5,8 @@ and the fix, raised alike on every rank; none hangs.
 Cases the constructors refuse need no processes: the arguments alone decide, so every rank raises the same (checked
 here in one process). Cases that need the world or the model (sizes against the world size, a partition or plan for
 a model, a module path) run end to end, ``Trainer.fit`` on every rank, in the shared launches of 2 processes and of
-8 (2x2x2); each has its own timeout in the worker (120 s), so a case that hung would stop the group with every
-rank's stack instead of waiting for the group's timeout.
+8 (2x2x2). Each has its own timeout in the worker (300 s: above the start-up skew of 8 processes on a loaded 2-core
+machine), so a case that hung would stop the group with every rank's stack instead of waiting for the group's.
 """
 
 from __future__ import annotations
