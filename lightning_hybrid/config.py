@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Union
 
-__all__ = ["PIPELINE_SCHEDULES", "HybridConfigError", "ParallelLayout", "check_pipeline", "check_sizes"]
+__all__ = [
+    "PIPELINE_PARTITIONS",
+    "PIPELINE_SCHEDULES",
+    "HybridConfigError",
+    "ParallelLayout",
+    "check_partition",
+    "check_pipeline",
+    "check_sizes",
+]
 
 
 class HybridConfigError(ValueError):
@@ -53,10 +61,46 @@ def check_sizes(
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 
 
+PIPELINE_PARTITIONS = ("uniform", "parameters", "profile")
+
+
+def check_partition(partition: Any) -> None:
+    """``pipeline_partition`` is one of :data:`PIPELINE_PARTITIONS` or a list of positive block counts, one per stage.
+    How many counts and their sum depend on the model, and are checked when it is cut.
+
+    Example:
+        >>> check_partition([3, 5])
+        >>> try:
+        ...     check_partition("even")
+        ... except HybridConfigError as error:
+        ...     print(str(error)[:56])
+        `pipeline_partition='even'` is not a partition name: use
+    """
+    fix = (
+        f"use one of {list(PIPELINE_PARTITIONS)}, or a list of positive block counts, one per stage"
+        " (pipeline_parallel_size x virtual_pipeline_size of them, summing to the number of blocks), e.g. [3, 5]"
+    )
+    if isinstance(partition, str):
+        if partition not in PIPELINE_PARTITIONS:
+            raise HybridConfigError(f"`pipeline_partition={partition!r}` is not a partition name: {fix}.")
+        return
+    counts = list(partition) if isinstance(partition, (list, tuple)) else None
+    if not counts or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts):
+        raise HybridConfigError(
+            f"`pipeline_partition={partition!r}` is neither a partition name nor a list of block counts: {fix}."
+        )
+
+
 def check_pipeline(
-    *, pipeline_parallel_size: int, num_microbatches: Any, pipeline_schedule: Any, virtual_pipeline_size: Any
+    *,
+    pipeline_parallel_size: int,
+    num_microbatches: Any,
+    pipeline_schedule: Any,
+    virtual_pipeline_size: Any,
+    pipeline_partition: Any = "uniform",
 ) -> None:
-    """Pipeline options that need no model: schedule name, virtual stages, micro-batch count."""
+    """Pipeline options that need no model: schedule name, virtual stages, micro-batch count, partition."""
+    check_partition(pipeline_partition)
     if pipeline_schedule not in PIPELINE_SCHEDULES:
         raise HybridConfigError(f"`pipeline_schedule={pipeline_schedule!r}` is not one of {list(PIPELINE_SCHEDULES)}.")
     v = _check_positive_int("virtual_pipeline_size", virtual_pipeline_size)

@@ -188,6 +188,7 @@ class HybridStrategy(ParallelStrategy):
             num_microbatches=num_microbatches,
             pipeline_schedule=pipeline_schedule,
             virtual_pipeline_size=virtual_pipeline_size,
+            pipeline_partition=pipeline_partition,
         )
         if not (tensor_parallel_plan == "auto" or isinstance(tensor_parallel_plan, dict)):
             raise HybridConfigError(

@@ -98,32 +98,44 @@ def block_list_needed_by(
     return needs
 
 
+def _block_lists(root: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """(parameter count, name, module) of every non-empty nn.ModuleList/nn.Sequential of same-type modules with
+    parameters: the candidates for the repeated block list."""
+    found = []
+    for name, module in root.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = _num_params(module)
+        if size > 0:
+            found.append((size, name, module))
+    return found
+
+
 def _find_block_list(
     root: nn.Module, blocks_name: Optional[str], needed_by: Sequence[str]
 ) -> Optional[tuple[str, nn.Module]]:
     if blocks_name is not None:
+        # the fix names the block lists there are (the largest first) and the automatic search
+        lists = [name for _, name, _ in sorted(_block_lists(root), key=lambda c: -c[0])]
+        fix = f"Give the dotted name of one of its block lists, {lists}," if lists else "Give the dotted name of"
+        fix += " an nn.ModuleList/nn.Sequential of the repeated blocks, or leave `transformer_blocks` None."
         try:
-            blocks = root.get_submodule(blocks_name)
+            blocks = root.get_submodule(blocks_name) if isinstance(blocks_name, str) else None
         except AttributeError:
+            blocks = None
+        if blocks is None:
             raise HybridConfigError(
-                f"`transformer_blocks={blocks_name!r}` names no submodule of {type(root).__name__}."
-            ) from None
+                f"`transformer_blocks={blocks_name!r}` names no submodule of {type(root).__name__}. {fix}"
+            )
         if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
             raise HybridConfigError(
                 f"`transformer_blocks={blocks_name!r}` is a {type(blocks).__name__}; it must name an nn.ModuleList"
-                " or nn.Sequential of the repeated blocks."
+                f" or nn.Sequential of the repeated blocks. {fix}"
             )
         return blocks_name, blocks
-    best: Optional[tuple[int, str, nn.Module]] = None
-    for name, module in root.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
-            continue
-        kinds = {type(child) for child in module}
-        if len(kinds) != 1:
-            continue
-        size = _num_params(module)
-        if size > 0 and (best is None or size > best[0]):
-            best = (size, name, module)
+    best = max(_block_lists(root), key=lambda c: c[0], default=None)  # the first of the largest
     if best is None:
         if not needed_by:
             return None  # data parallel and ZeRO train any module without one

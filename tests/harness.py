@@ -89,10 +89,13 @@ def _user_tensor_parallel_nanogpt(**kwargs: Any) -> L.LightningModule:
 
 def make_dataset(kind: str = "tokens") -> TensorDataset:
     """Real characters of the example corpus, cut into fixed windows (same on every process, no randomness);
-    ``"images"``: synthetic images and labels for the modules of tests/any_module_models.py (a scenario's
-    ``"dataset"``)."""
+    ``"images"``: synthetic images and labels for the modules of tests/any_module_models.py; ``"repeated"``: the first
+    window, repeated (a scenario's ``"dataset"``)."""
     if kind == "images":
         return image_dataset(NUM_SAMPLES, SEED)
+    if kind == "repeated":  # one window NUM_SAMPLES times: every batch of every step is the same
+        x, y = make_dataset()[0]
+        return TensorDataset(x.repeat(NUM_SAMPLES, 1), y.repeat(NUM_SAMPLES, 1))
     from examples.data import load_corpus
 
     text = load_corpus(NUM_SAMPLES * (SEQ_LEN + 1) + 1)

@@ -1,9 +1,12 @@
 """Test-only callbacks for the precision scenarios: inject an overflow into one gradient shard on one rank, and record
-per rank, per step, what a skipped step must leave untouched (parameters, optimizer state, LR) and the scaler state."""
+per rank, per step, what a skipped step must leave untouched (parameters, optimizer state, LR) and the scaler state;
+a module whose fp16 activations overflow for a run of steps (an overflow storm), and a callback that imposes a loss
+scale per step (the storm's reference run)."""
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any
 
 import lightning as L
@@ -52,10 +55,23 @@ def _digest(tensors: list[Tensor]) -> str:
 
 class StepProbe(L.Callback):
     """Per optimizer step, on this rank: digests of its parameter shards and optimizer state, the loss scale, the
-    skipped-step count, the learning rate and the scheduler's step count."""
+    skipped-step count, the learning rate and the scheduler's step count; with ``record_warnings``, the messages of
+    the warnings this rank issued during the step (every one: the filter is "always", so none is hidden as a
+    repeat)."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_warnings: bool = False) -> None:
         self.records: list[dict[str, Any]] = []
+        self._catcher: Any = None
+        self._caught: list[warnings.WarningMessage] = []
+        if record_warnings:
+            self._catcher = warnings.catch_warnings(record=True)
+            self._caught = self._catcher.__enter__()
+            warnings.simplefilter("always")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._catcher is not None:
+            self._catcher.__exit__(None, None, None)
+            self._catcher = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         optimizer = trainer.optimizers[0]
@@ -73,8 +89,22 @@ class StepProbe(L.Callback):
                 "scheduler_steps": schedulers[0].scheduler.last_epoch if schedulers else None,
                 "grad_norm": trainer.strategy.last_gradient_norm,
                 "ln_f_master": _master_value(trainer, pl_module, "model.ln_f.weight"),
+                "warnings": [str(w.message) for w in self._caught],
             }
         )
+        self._caught.clear()
+
+
+class ForceScale(L.Callback):
+    """Set the loss scale used by each step: ``scales[s]`` at step ``s``. The overflow storm's reference run takes
+    the scales the stormed run used at the same real steps, so both round alike in fp16 (fp16 rounding depends on
+    the scale, on CPU even between powers of two)."""
+
+    def __init__(self, scales: list[float]) -> None:
+        self.scales = scales
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        trainer.strategy.precision_plugin.scaler.scale = float(self.scales[trainer.global_step])
 
 
 def _master_value(trainer: L.Trainer, pl_module: L.LightningModule, name: str) -> float | None:
@@ -113,7 +143,26 @@ def build_precision_module(model: str, **kwargs: Any) -> L.LightningModule | Non
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=self.hparams.learning_rate)
 
-    classes = {"nanogpt_scheduled": Scheduled, "nanogpt_tiny_updates": TinyUpdates}
+    class Storm(Scheduled):
+        """An fp16 overflow storm: at steps ``storm_start`` to ``storm_start + storm_steps - 1`` (Trainer steps, which
+        count skipped ones), data-parallel replica ``storm_replica`` multiplies its fp16 logits by 1e7, so they
+        overflow fp16 (max 65504) to inf and its loss and every gradient become inf/NaN; the other replicas stay
+        finite. ``storm_steps=0``: the same module with no storm."""
+
+        def __init__(self, storm_start: int = 0, storm_steps: int = 0, storm_replica: int = 0, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.storm = range(storm_start, storm_start + storm_steps)
+            self.storm_replica = storm_replica
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            x, y = batch
+            logits = self(x)
+            replica = self.device_mesh["data"].get_local_rank() if self.device_mesh is not None else 0
+            if self.trainer.global_step in self.storm and replica == self.storm_replica:
+                logits = logits * 1e7  # fp16 times a Python float stays fp16: a real overflow in the forward pass
+            return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+    classes = {"nanogpt_scheduled": Scheduled, "nanogpt_tiny_updates": TinyUpdates, "nanogpt_storm": Storm}
     if model not in classes:
         return None
     return classes[model](**kwargs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import lightning as L
@@ -113,7 +114,57 @@ CLIP_VALUE = _scenario(
     10,
     trainer={"gradient_clip_val": 2e-3, "gradient_clip_algorithm": "value"},
 )
-WORLD8 = [*OVERFLOW, GROWTH, RESUME, *TINY, *MIXED, *STATE, CLIP_VALUE]
+
+# An fp16 overflow storm at 2x2x2 ZeRO-1: 100 steps in a row whose fp16 logits overflow on data replica 1
+# (tests/precision_probe.py, Storm), after 3 clean steps and followed by 4. The scaler has Megatron/DeepSpeed's
+# hysteresis 2 and min_scale 1: the scale backs off from 2**9 to the floor in 10 overflows and stays there for 90.
+STORM_START, STORM_STEPS, STORM_AFTER, STORM_STOP_AFTER = 3, 100, 4, 3
+STORM_SCALER = {"initial_scale": 2.0**8, "growth_interval": 3}
+
+
+def _storm_scales(overflows: list[bool]) -> tuple[list[float], list[float]]:
+    """The loss scale each step uses, and the one after it, by the scaler's own rules (computed here, in one process:
+    the test checks that all 8 ranks follow them)."""
+    scaler = DynamicLossScaler(**STORM_SCALER)
+    used, after = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for found_inf in overflows:
+            used.append(scaler.scale)
+            scaler.update(found_inf)
+            after.append(scaler.scale)
+    return used, after
+
+
+STORM_OVERFLOWS = [STORM_START <= s < STORM_START + STORM_STEPS for s in range(STORM_START + STORM_STEPS + STORM_AFTER)]
+STORM_USED, STORM_AFTER_SCALES = _storm_scales(STORM_OVERFLOWS)
+_STORM_BASE = {"model": "nanogpt_scheduled", "dataset": "repeated", "probe": "warnings"}
+STORM = _scenario(
+    "storm-2x2x2-zero1-16mixed",
+    {**LAYOUT_3D, "zero_stage": 1},
+    2,
+    len(STORM_OVERFLOWS),
+    **_STORM_BASE,
+    model_kwargs={"storm_start": STORM_START, "storm_steps": STORM_STEPS, "storm_replica": 1},
+    precision_plugin={"precision": "16-mixed", **STORM_SCALER},
+)
+STORM["model"] = "nanogpt_storm"
+# the reference never has the storm: the same module, data and layout for the 3 + 4 real steps, with the loss scale
+# the stormed run used at each of them (fp16 rounds differently at another scale)
+STORM_REFERENCE = {
+    **STORM,
+    "name": "storm-reference-2x2x2-zero1-16mixed",
+    "steps": STORM_START + STORM_AFTER,
+    "model_kwargs": NANOGPT,
+    "force_scales": STORM_USED[:STORM_START] + STORM_USED[STORM_START + STORM_STEPS :],
+}
+# the same storm with a limit: the fit ends cleanly after 3 overflowed steps in a row
+STORM_STOP = {
+    **STORM,
+    "name": "storm-stop-2x2x2-zero1-16mixed",
+    "precision_plugin": {**STORM["precision_plugin"], "max_consecutive_skipped_steps": STORM_STOP_AFTER},
+}
+WORLD8 = [*OVERFLOW, GROWTH, RESUME, *TINY, *MIXED, *STATE, CLIP_VALUE, STORM, STORM_REFERENCE, STORM_STOP]
 
 
 share(8, WORLD8)  # launched with the other modules' 8-process scenarios
@@ -178,6 +229,83 @@ def test_resume_restores_the_loss_scaler_and_continues_exactly(precision_group) 
         assert abs(got - want) <= 1e-6 * abs(want), f"step {step}: loss {got} after resume vs {want}"
     for name, want in whole["params"].items():
         assert relative_error(resumed["params"][name], want) <= 1e-6, name
+
+
+# ---------------------------------------------------------------------------------------------- overflow storm
+def _replica_of(rank: int) -> int:
+    """The rank holding the same pipeline stage and tensor shard on the other data-parallel replica (2x2x2)."""
+    return rank ^ 2  # rank = 4 x pipeline + 2 x data + tensor
+
+
+@pytest.mark.timeout(2400)
+def test_overflow_storm_keeps_weights_and_state_then_recovers(precision_group) -> None:
+    """100 steps in a row overflow (fp16 logits to inf on one data replica); the scale reaches the floor after 10 of
+    them and 90 more overflow there: no crash, one warning, nothing changes, and training then goes on as a run that
+    never had the storm."""
+    result = precision_group.get(STORM["name"])
+    per_rank = result["probe"]
+    k, n = STORM_START, STORM_STEPS
+    assert len(per_rank) == 8
+    losses = result["losses"]
+    assert len(losses) == k + n + STORM_AFTER
+    # the storm is real: the averaged loss of every storm step is inf/NaN, and only those
+    assert all(not math.isfinite(loss) for loss in losses[k : k + n]), losses[k : k + n]
+    assert all(math.isfinite(loss) for loss in losses[:k] + losses[k + n :])
+    assert min(STORM_USED) == 1.0 and STORM_USED.count(1.0) >= 90, STORM_USED  # 90 overflows at the minimum scale
+    for rank, steps in enumerate(per_rank):
+        held = steps[k - 1]
+        for step in range(k, k + n):
+            record = steps[step]
+            # weights and optimizer state (Adam moments, step counts, fp32 shard) bitwise as before the storm
+            assert record["params"] == held["params"], f"rank {rank}: parameters changed at storm step {step}"
+            assert record["optimizer"] == held["optimizer"], f"rank {rank}: optimizer state changed at step {step}"
+            assert record["lr"] == held["lr"] and record["scheduler_steps"] == held["scheduler_steps"], (rank, step)
+            assert record["skipped"] == step - k + 1, (rank, step)
+            assert record["grad_norm"] is None
+        # every rank follows the scaler's rules: back off to the floor, then grow back every 3 clean steps
+        assert [s["scale"] for s in steps] == STORM_AFTER_SCALES, f"rank {rank}"
+        assert steps[-1]["scale"] == 2.0 > 1.0
+        # training goes on: every step after the storm moves the weights and the scheduler
+        for step in range(k + n, k + n + STORM_AFTER):
+            assert steps[step]["params"] != steps[step - 1]["params"], f"rank {rank}: step {step} did not apply"
+            assert steps[step]["scheduler_steps"] == steps[step - 1]["scheduler_steps"] + 1, (rank, step)
+        # the stormed replica did not drift from the other one
+        assert [s["params"] for s in steps] == [s["params"] for s in per_rank[_replica_of(rank)]], rank
+    # one warning, on rank 0, at the first overflow at the floor; none on the other ranks, no stop
+    storm_warnings = [
+        [(step, m) for step, s in enumerate(steps) for m in s["warnings"] if "loss scale" in m or "Stopping" in m]
+        for steps in per_rank
+    ]
+    first_at_floor = STORM_USED.index(1.0)  # the first step that overflows with the scale already at the floor
+    assert first_at_floor == k + 10, STORM_USED
+    assert len(storm_warnings[0]) == 1 and storm_warnings[0][0][0] == first_at_floor, storm_warnings[0]
+    message = storm_warnings[0][0][1]
+    assert "minimum loss scale (1.0)" in message and "without a warning" in message, message
+    assert "max_consecutive_skipped_steps" in message, message
+    assert all(not w for w in storm_warnings[1:]), storm_warnings
+    # ... as a run that never had the storm: the same losses before and after it, the same final weights
+    reference = precision_group.get(STORM_REFERENCE["name"])
+    expected = reference["losses"]
+    got = losses[:k] + losses[k + n :]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, expected))
+    assert worst <= 1e-6, f"losses differ from the storm-free run by {worst:.2e}: {got} vs {expected}"
+    for name, want in reference["params"].items():
+        assert relative_error(result["params"][name], want) <= 1e-6, name
+
+
+@pytest.mark.timeout(2400)
+def test_overflow_storm_stops_cleanly_after_max_consecutive_skipped_steps(precision_group) -> None:
+    result = precision_group.get(STORM_STOP["name"])  # no error recorded: the fit returned
+    k, limit = STORM_START, STORM_STOP_AFTER
+    assert len(result["losses"]) == k + limit, result["losses"]
+    for rank, steps in enumerate(result["probe"]):
+        assert len(steps) == k + limit, f"rank {rank} ran {len(steps)} steps"  # every rank stopped at the same step
+        assert steps[-1]["params"] == steps[k - 1]["params"] and steps[-1]["optimizer"] == steps[k - 1]["optimizer"]
+        stops = [m for s in steps for m in s["warnings"] if m.startswith("Stopping training")]
+        assert len(stops) == (1 if rank == 0 else 0), (rank, stops)
+    stop = next(m for s in result["probe"][0] for m in s["warnings"] if m.startswith("Stopping training"))
+    assert f"{limit} optimizer steps in a row overflowed" in stop, stop
+    assert f"`max_consecutive_skipped_steps={limit}`" in stop and "None: never stop" in stop, stop
 
 
 # ---------------------------------------------------------------------------------------------- fp32 master weights
@@ -269,6 +397,43 @@ def test_scaler_at_min_scale_warns_or_stops() -> None:
         stop.update(found_inf=True)
 
 
+def test_scaler_warns_once_per_storm_at_the_floor_and_asks_to_stop_after_the_limit() -> None:
+    s = DynamicLossScaler(initial_scale=4.0, hysteresis=1, growth_interval=2, max_consecutive_skipped_steps=50)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(49):  # 4 -> 2 -> 1, then 47 overflows at the floor
+            s.update(found_inf=True)
+    floor = [w for w in caught if "minimum loss scale" in str(w.message)]
+    assert len(floor) == 1 and floor[0].category is RuntimeWarning, [str(w.message) for w in caught]
+    assert "stops cleanly after 50 overflowed steps in a row" in str(floor[0].message)
+    assert (s.scale, s.consecutive_skipped_steps, s.stop_requested) == (1.0, 49, False)
+    s.update(found_inf=True)
+    assert s.stop_requested and s.skipped_steps == 50
+    s.update(found_inf=False)  # a clean step ends the run of skipped steps
+    assert (s.consecutive_skipped_steps, s.stop_requested, s.skipped_steps) == (0, False, 50)
+    restored = DynamicLossScaler()
+    restored.load_state_dict({**s.state_dict(), "consecutive_skipped_steps": 7})
+    assert restored.consecutive_skipped_steps == 7
+    legacy = {k: v for k, v in s.state_dict().items() if k != "consecutive_skipped_steps"}
+    restored.load_state_dict(legacy)  # a checkpoint written before the count existed
+    assert restored.consecutive_skipped_steps == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s.update(found_inf=True)  # still at the floor, not grown since: no second warning
+        s.update(found_inf=False)
+        s.update(found_inf=False)  # grown: the next storm at the floor warns again
+        assert s.scale == 2.0
+        s.update(found_inf=True)
+        s.update(found_inf=True)
+    assert len([w for w in caught if "minimum loss scale" in str(w.message)]) == 1
+    never = DynamicLossScaler(initial_scale=1.0, hysteresis=1, max_consecutive_skipped_steps=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5000):
+            never.update(found_inf=True)
+    assert not never.stop_requested and len(caught) == 1 and "keeps skipping" in str(caught[0].message)
+
+
 def test_scaler_unscales_and_flags_non_finite_gradients() -> None:
     s = DynamicLossScaler(initial_scale=4.0)
     grads = [torch.full((3,), 8.0), torch.full((2,), 4.0, dtype=torch.bfloat16)]
@@ -289,6 +454,9 @@ def test_scaler_unscales_and_flags_non_finite_gradients() -> None:
         ({"hysteresis": 0}, r"`hysteresis=0`: pass a positive integer.* e.g. 2"),
         ({"min_scale": 8.0, "initial_scale": 4.0}, r"`min_scale=8.0`: pass a positive floor not above `initial_scale`"),
         ({"on_min_scale": "crash"}, r"`on_min_scale='crash'`: pass 'warn' .* or 'stop'"),
+        ({"max_consecutive_skipped_steps": 0}, r"`max_consecutive_skipped_steps=0`: pass a positive integer.*or None"),
+        ({"max_consecutive_skipped_steps": 2.5}, r"`max_consecutive_skipped_steps=2.5`: pass a positive integer"),
+        ({"max_consecutive_skipped_steps": True}, r"`max_consecutive_skipped_steps=True`: pass a positive integer"),
     ],
 )
 def test_bad_precision_arguments_name_the_parameter_the_value_and_the_fix(kwargs: dict[str, Any], match: str) -> None:

@@ -2,10 +2,12 @@
 
 Usage: python -m torch.distributed.run --nproc_per_node N tests/worker.py SPEC.json OUT_DIR
 Each scenario's results (rank 0) land in OUT_DIR/<name>.pt; an error is recorded instead of stopping the rest.
+A scenario may set "timeout_s" (those expecting an error get 300 s): past it, the rank dumps its stacks and exits.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -195,14 +197,17 @@ class _CollectiveCounter(L.Callback):
 
 
 def _precision_probes(trainer: L.Trainer, scenario: dict):
-    """Scenario keys "inject_inf": {"step", "rank"} and "probe": true (tests/precision_probe.py)."""
-    from tests.precision_probe import InjectInf, StepProbe
+    """Scenario keys "inject_inf": {"step", "rank"}, "force_scales": [scale per step] and "probe": true or
+    "warnings" (also record each step's warnings) (tests/precision_probe.py)."""
+    from tests.precision_probe import ForceScale, InjectInf, StepProbe
 
     if scenario.get("inject_inf"):
         trainer.callbacks.append(InjectInf(**scenario["inject_inf"]))
+    if scenario.get("force_scales"):
+        trainer.callbacks.append(ForceScale(scenario["force_scales"]))
     if not scenario.get("probe"):
         return None
-    probe = StepProbe()
+    probe = StepProbe(record_warnings=scenario.get("probe") == "warnings")
     trainer.callbacks.append(probe)
     return probe
 
@@ -245,10 +250,19 @@ def _sampler_record(trainer: L.Trainer) -> list[int]:
     return list(iter(sampler))
 
 
+# seconds a scenario that expects a configuration error may take: one that hangs instead (a rank left in a collective)
+# dumps every thread's stack and exits, which stops the group, rather than waiting for the group's timeout
+_ERROR_SCENARIO_TIMEOUT_S = 300
+
+
 def main() -> None:
     spec, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     torch.set_num_threads(1)
     for scenario in spec:
+        limit = scenario.get("timeout_s") or (_ERROR_SCENARIO_TIMEOUT_S if scenario.get("expect_error") else None)
+        if limit:
+            sys.stderr.flush()
+            faulthandler.dump_traceback_later(limit, exit=True)
         try:
             run(scenario, out_dir)
         except Exception as error:
@@ -262,6 +276,8 @@ def main() -> None:
             else:
                 sys.stderr.write(traceback.format_exc())
             raise  # a failure may leave ranks out of step: stop the group rather than risk a hang
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

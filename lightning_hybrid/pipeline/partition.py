@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.config import HybridConfigError, check_partition
 
 __all__ = ["StagePlan", "partition_blocks", "stage_owner"]
 
@@ -99,6 +99,7 @@ def partition_blocks(
         >>> partition_blocks(4, 2, partition="parameters", block_costs=[1, 1, 1, 1], last_cost=2).counts
         (3, 1)
     """
+    check_partition(partition)  # before `list(partition)` below: an int would be a TypeError there
     p, v = pipeline_parallel_size, virtual_pipeline_size
     stages = p * v
     owner = stage_owner(stages, p, owner_style)

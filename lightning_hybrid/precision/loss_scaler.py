@@ -9,12 +9,12 @@ class; the unscale itself is torch's fused ``_amp_foreach_non_finite_check_and_u
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_hybrid.config import HybridConfigError
@@ -66,6 +66,12 @@ def _check_scaler_arguments(**values: Any) -> None:
             values["on_min_scale"] in ("warn", "stop"),
             "pass 'warn' (skip the step and go on) or 'stop' (raise LossScaleError)",
         ),
+        "max_consecutive_skipped_steps": (
+            values["max_consecutive_skipped_steps"] is None
+            or (integer(values["max_consecutive_skipped_steps"]) and values["max_consecutive_skipped_steps"] >= 1),
+            "pass a positive integer, the overflowed steps in a row after which training stops (e.g. 1000), or None"
+            " to keep skipping for as long as the gradients overflow",
+        ),
     }
     for name, (ok, fix) in rules.items():
         if not ok:
@@ -80,14 +86,20 @@ class DynamicLossScaler:
       ``backoff_factor`` (never below ``min_scale``);
     * ``growth_interval`` clean steps in a row multiply the scale by ``growth_factor`` and refill the hysteresis.
 
-    At ``min_scale``, an overflow warns and the step is skipped (training goes on); ``on_min_scale="stop"`` raises
-    :class:`LossScaleError` instead.
+    At ``min_scale``, an overflow skips the step and training goes on; the first such overflow warns (once, on rank
+    0; again only after the scale has grown since). ``on_min_scale="stop"`` raises :class:`LossScaleError` there
+    instead, as DeepSpeed does. After ``max_consecutive_skipped_steps`` overflowed steps in a row (at any scale),
+    :attr:`stop_requested` turns True and :class:`~lightning_hybrid.HybridPrecision` ends the fit cleanly, as
+    ``EarlyStopping`` does; ``None`` never stops.
 
     Example:
-        >>> scaler = DynamicLossScaler(initial_scale=8.0, hysteresis=1)
+        >>> scaler = DynamicLossScaler(initial_scale=8.0, hysteresis=1, max_consecutive_skipped_steps=2)
         >>> scaler.update(found_inf=True)
-        >>> scaler.scale, scaler.skipped_steps
-        (4.0, 1)
+        >>> scaler.scale, scaler.skipped_steps, scaler.stop_requested
+        (4.0, 1, False)
+        >>> scaler.update(found_inf=True)
+        >>> scaler.consecutive_skipped_steps, scaler.stop_requested
+        (2, True)
     """
 
     def __init__(
@@ -99,6 +111,7 @@ class DynamicLossScaler:
         hysteresis: int = 2,
         min_scale: float = 1.0,
         on_min_scale: Literal["warn", "stop"] = "warn",
+        max_consecutive_skipped_steps: Optional[int] = 1000,
     ) -> None:
         _check_scaler_arguments(
             initial_scale=initial_scale,
@@ -108,6 +121,7 @@ class DynamicLossScaler:
             hysteresis=hysteresis,
             min_scale=min_scale,
             on_min_scale=on_min_scale,
+            max_consecutive_skipped_steps=max_consecutive_skipped_steps,
         )
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
@@ -118,6 +132,10 @@ class DynamicLossScaler:
         self.hysteresis_left = hysteresis
         self.skipped_steps = 0
         """Optimizer steps skipped because of an overflow, since the start of training (running count)."""
+        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
+        self.consecutive_skipped_steps = 0
+        """Optimizer steps skipped in a row, up to the last one (0 after a clean step)."""
+        self._warned_at_min_scale = False
 
     @torch.no_grad()
     def unscale_(self, gradients: Iterable[Tensor], device: torch.device) -> bool:
@@ -137,16 +155,26 @@ class DynamicLossScaler:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether the last ``max_consecutive_skipped_steps`` steps all overflowed: training should end. The same on
+        every rank, since ``update`` takes the world-wide flag."""
+        limit = self.max_consecutive_skipped_steps
+        return limit is not None and self.consecutive_skipped_steps >= limit
+
     def update(self, found_inf: bool) -> None:
         """Advance the schedule after a step (``found_inf`` must be the world-wide flag, so all ranks agree)."""
         if not found_inf:
+            self.consecutive_skipped_steps = 0
             self.clean_steps += 1
             if self.clean_steps == self.growth_interval:
                 self.scale *= self.growth_factor
                 self.clean_steps = 0
                 self.hysteresis_left = self.hysteresis
+                self._warned_at_min_scale = False  # recovered: a later storm at the floor warns again
             return
         self.skipped_steps += 1
+        self.consecutive_skipped_steps += 1
         self.clean_steps = 0
         self.hysteresis_left -= 1
         if self.hysteresis_left > 0:
@@ -154,12 +182,25 @@ class DynamicLossScaler:
         if self.scale <= self.min_scale:
             message = (
                 f"Gradients overflow at the minimum loss scale ({self.min_scale}): the step is skipped"
-                f" ({self.skipped_steps} skipped so far). The loss or gradients are inf/NaN regardless of scaling;"
-                " lower the learning rate, check the data, or use bf16."
+                f" ({self.consecutive_skipped_steps} in a row, {self.skipped_steps} in all). The loss or gradients are"
+                " inf/NaN regardless of scaling; lower the learning rate, check the data, or use bf16."
             )
             if self.on_min_scale == "stop":
                 raise LossScaleError(message + " (Set `on_min_scale='warn'` to keep training instead.)")
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            if not self._warned_at_min_scale:
+                # once per storm, not once per step: a storm of thousands of steps would bury every other message
+                limit = self.max_consecutive_skipped_steps
+                then = (
+                    f"training stops cleanly after {limit} overflowed steps in a row (`max_consecutive_skipped_steps`)"
+                    if limit is not None
+                    else "training keeps skipping for as long as they overflow (`max_consecutive_skipped_steps=None`)"
+                )
+                rank_zero_warn(
+                    f"{message} Weights and optimizer state are kept as they are; further overflowed steps are"
+                    f" skipped without a warning, and {then}.",
+                    category=RuntimeWarning,
+                )
+                self._warned_at_min_scale = True
         self.scale = max(self.scale * self.backoff_factor, self.min_scale)
 
     def state_dict(self) -> dict[str, Any]:
@@ -168,6 +209,7 @@ class DynamicLossScaler:
             "clean_steps": self.clean_steps,
             "hysteresis_left": self.hysteresis_left,
             "skipped_steps": self.skipped_steps,
+            "consecutive_skipped_steps": self.consecutive_skipped_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -175,3 +217,4 @@ class DynamicLossScaler:
         self.clean_steps = int(state["clean_steps"])
         self.hysteresis_left = int(state["hysteresis_left"])
         self.skipped_steps = int(state["skipped_steps"])
+        self.consecutive_skipped_steps = int(state.get("consecutive_skipped_steps", 0))  # absent before it existed

@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional
 
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning_utilities import apply_to_collection
 from torch import Tensor, nn
@@ -49,11 +50,14 @@ class HybridPrecision(Precision):
         initial_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, on_min_scale: the
             dynamic loss scaler of the fp16 modes (see :class:`~lightning_hybrid.precision.DynamicLossScaler`;
             Megatron/DeepSpeed defaults). Ignored by the other modes.
+        max_consecutive_skipped_steps: fp16 modes: after this many optimizer steps in a row skipped for overflow,
+            end the fit cleanly (``trainer.should_stop``, as ``EarlyStopping`` does, with a warning saying why);
+            weights and optimizer state are those from before the first skipped step. ``None``: keep skipping.
 
     Example:
         >>> import lightning as L
         >>> from lightning_hybrid import HybridPrecision, HybridStrategy
-        >>> plugin = HybridPrecision("16-mixed", growth_interval=500)
+        >>> plugin = HybridPrecision("16-mixed", growth_interval=500, max_consecutive_skipped_steps=200)
         >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(), plugins=[plugin])
     """
 
@@ -69,6 +73,7 @@ class HybridPrecision(Precision):
         hysteresis: int = 2,
         min_scale: float = 1.0,
         on_min_scale: Literal["warn", "stop"] = "warn",
+        max_consecutive_skipped_steps: Optional[int] = 1000,
     ) -> None:
         if precision not in PRECISIONS:
             raise HybridConfigError(
@@ -94,6 +99,7 @@ class HybridPrecision(Precision):
                 hysteresis=hysteresis,
                 min_scale=min_scale,
                 on_min_scale=on_min_scale,
+                max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             )
         self._clip_by_norm: Optional[Callable[[float], float]] = None
         self.found_inf = False
@@ -181,6 +187,8 @@ class HybridPrecision(Precision):
         closure_result = self._wrap_closure(model, optimizer, closure)
         found_inf = self.found_inf
         self.scaler.update(found_inf)
+        if found_inf and self.scaler.stop_requested:
+            _stop_training(model, self.scaler)
         if found_inf or (closure_result is None and model.automatic_optimization):
             return closure_result
         return optimizer.step(**kwargs)
@@ -208,3 +216,20 @@ class HybridPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def _stop_training(model: Any, scaler: DynamicLossScaler) -> None:
+    """End the fit after the step, as ``EarlyStopping(check_finite=True)`` does: every rank sets ``should_stop`` at
+    the same step (the overflow flag is world-wide), so Lightning's loop ends alike everywhere, with no collective
+    left waiting, and the callbacks' end-of-training hooks run."""
+    trainer = getattr(model, "_trainer", None)
+    if trainer is None or trainer.should_stop:
+        return
+    trainer.should_stop = True
+    rank_zero_warn(
+        f"Stopping training: {scaler.consecutive_skipped_steps} optimizer steps in a row overflowed in fp16"
+        f" (`max_consecutive_skipped_steps={scaler.max_consecutive_skipped_steps}`), at loss scale {scaler.scale}."
+        " Weights and optimizer state are those from before the first of them. Check the data and the learning rate,"
+        " or train in bf16; raise `max_consecutive_skipped_steps` (None: never stop) to wait longer.",
+        category=RuntimeWarning,
+    )

@@ -237,7 +237,7 @@ def _pattern_plan(
         matched_parameters = [n for n in parameters if by_name and fnmatch.fnmatchcase(n, pattern)]
         if not matched and not matched_parameters:
             raise HybridConfigError(
-                f"The tensor-parallel plan pattern {pattern!r} matches no module of {type(root).__name__}. Module"
+                f"`tensor_parallel_plan` pattern {pattern!r} matches no module of {type(root).__name__}. Module"
                 f" names look like {list(modules)[:6]}; fix the pattern (fnmatch syntax, '*' for a layer index)."
             )
         for name in matched:
