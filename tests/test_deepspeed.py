@@ -40,7 +40,8 @@ def _offloaded(base: dict[str, Any]) -> dict[str, Any]:
     return {**base, "name": f"offload-{base['name']}", "strategy": {**base["strategy"], "offload_optimizer": True}}
 
 
-BF16 = _scenario("nanogpt-dp2-zero2-bf16mixed-5", {"zero_stage": 2}, 2, steps=5, trainer={"precision": "bf16-mixed"})
+# bf16-mixed at ZeRO-2 also covers the bucketed ZeRO-2 reduction under offload
+BF16 = _scenario("nanogpt-dp2-zero2-bf16mixed-3", {"zero_stage": 2}, 2, steps=3, trainer={"precision": "bf16-mixed"})
 # the precision module's fp16 overflow scenario: a step skipped on every rank (scaler), a per-step LR schedule
 OVERFLOW = _scenario(
     "overflow-2x2x2-zero1-16mixed",
@@ -53,7 +54,7 @@ OVERFLOW = _scenario(
     probe=True,
 )
 BASELINES = {
-    2: [_scenario(f"nanogpt-dp2-zero{z}", {"zero_stage": z}, 2) for z in (1, 2, 3)] + [BF16],
+    2: [_scenario(f"nanogpt-dp2-zero{z}", {"zero_stage": z}, 2) for z in (1, 3)] + [BF16],
     4: [_scenario("nanogpt-tp2-dp2-zero1", {"tensor_parallel_size": 2, "zero_stage": 1}, 2)],
     8: [_scenario("tp2-pp2-dp2-zero2", {**PIPELINE_2X2, "zero_stage": 2}, 2, model_kwargs={"n_layer": 4}), OVERFLOW],
 }
