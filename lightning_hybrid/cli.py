@@ -33,6 +33,14 @@ def main(args: Optional[list[str]] = None) -> int:
 
         consolidate_main(argv[1:])
         return 0
+    if argv[:1] == ["convert"]:  # `lightning-hybrid convert deepspeed SRC DST`: another library's checkpoint, in ours
+        if argv[1:2] != ["deepspeed"]:
+            sys.stderr.write("usage: lightning-hybrid convert deepspeed SRC DST (the one source format so far)\n")
+            return 2
+        from lightning_hybrid.checkpoint.deepspeed import main as convert_main
+
+        convert_main(argv[2:])
+        return 0
     # class paths in configs (e.g. examples.nanogpt.NanoGPT) resolve from the working directory, as with `python -m`
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
+import time
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -138,6 +140,9 @@ class HybridStrategy(ParallelStrategy):
             MFU, memory, communication share per mesh dimension, pipeline bubble) and the layout in its run config.
             ``False`` turns it off; a ``HybridMonitor(...)`` instance chooses the settings (and is added even
             without a logger). Not added twice if the callbacks already hold one.
+        offload_optimizer: keep this rank's fp32 master weights and Adam moments in host memory and step them with
+            DeepSpeed's ``DeepSpeedCPUAdam`` (ZeRO-Offload; needs ``pip install "lightning-hybrid[deepspeed]"`` and a
+            torch Adam/AdamW optimizer). The device keeps parameters and gradients only (docs/offload.md).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -172,6 +177,7 @@ class HybridStrategy(ParallelStrategy):
         async_checkpoint: bool = False,
         health_checks: Union[bool, Any] = True,
         monitor: Union[bool, HybridMonitor] = True,
+        offload_optimizer: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -235,6 +241,8 @@ class HybridStrategy(ParallelStrategy):
                 " `lightning_hybrid.HybridMonitor(...)` instance."
             )
         self._monitor = monitor
+        self._offload_optimizer = bool(offload_optimizer)
+        self._offloads: list[Any] = []
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional[DeviceMesh] = None
         self._structure: Optional[ModelStructure] = None
@@ -579,6 +587,7 @@ class HybridStrategy(ParallelStrategy):
                     bucket_cap_mb=bucket_cap_mb,
                     tensor_sync=self._gradient_sync,  # ZeRO-2 buckets apply it per bucket, before reducing
                     parameter_order=list(self.lightning_module.parameters()),  # reversed: the order of backward
+                    host_masters=self._offload_optimizer,
                 )
                 for opt in self.optimizers
             ]
@@ -590,6 +599,10 @@ class HybridStrategy(ParallelStrategy):
         )
         if isinstance(self.precision_plugin, HybridPrecision):
             self.precision_plugin._clip_by_norm = self.clip_gradients_by_global_norm
+        if self._offload_optimizer:
+            from lightning_hybrid.sharding.offload import attach_offload
+
+            self._offloads = attach_offload(self.optimizers, [self._sharded_for(o) for o in self.optimizers])
 
     @override
     def model_to_device(self) -> None:
@@ -705,6 +718,10 @@ class HybridStrategy(ParallelStrategy):
             # sizes settle once every state tensor exists (after the first real step): stop measuring then
             zero = self._sharded_optimizers or None
             measured = measure_model_state_bytes(self.lightning_module, self.optimizers, zero)
+            if self._offloads:
+                from lightning_hybrid.sharding.offload import offload_ledger
+
+                measured = offload_ledger(measured, self._offloads)
             self._model_state_settled = measured == self.model_state_bytes and not plugin.found_inf
             self.model_state_bytes = measured
         if plugin.found_inf:
@@ -848,10 +865,19 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+        from lightning_hybrid.checkpoint.deepspeed import imported
 
         self._checkpoint_writer.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
+        # a DeepSpeed checkpoint is converted to this format first (one process per node), then loaded as usual
+        names = list(self.lightning_module.state_dict())
+        token = f"{self.broadcast(f'{os.getpid()}-{time.time_ns()}')}-node{self.node_rank}"
+        with imported(path, names, converts=self.local_rank == 0, barrier=self.barrier, token=token) as path:
+            return self._load_hybrid_checkpoint(path, weights_only)
+
+    def _load_hybrid_checkpoint(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         tied = self._structure.tied_parameters if self._structure is not None else []
         aliases = {**dict(tied), **{b: a for a, b in tied}}

@@ -59,4 +59,10 @@ if [[ ",$EXTRAS," =~ ,(test|bench), ]] && ! command -v nvidia-smi >/dev/null 2>&
     echo "install.sh: building DeepSpeed's CPU communication op (once; cached)"
     DS_ACCELERATOR=cpu "$PYTHON" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
 fi
+if [[ ",$EXTRAS," =~ ,(test|bench|deepspeed), ]]; then
+    # offload_optimizer=True steps with DeepSpeed's CPU Adam op, also compiled on first use (~1 min, cached in
+    # ~/.cache/torch_extensions): build it here once rather than inside the first training run (or test session)
+    echo "install.sh: building DeepSpeed's CPU Adam op (once; cached)"
+    "$PYTHON" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" >/dev/null
+fi
 "$PYTHON" -c "import torch, lightning, lightning_hybrid; print(f'install.sh: torch {torch.__version__}, lightning {lightning.__version__}, lightning-hybrid {lightning_hybrid.__version__}')"

@@ -146,3 +146,18 @@ def test_gpu_smoke_script_runs_on_cpu(tmp_path: Path) -> None:
         assert one[kind]["tokens_per_second"] > 0 and one[kind]["parameters"] > 0, (kind, one[kind])
     assert one["step_time_ratio"] > 0
     assert results["pipeline_two_processes"]["backend_used"] == "gloo", results["pipeline_two_processes"]
+
+
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT + 60)
+def test_offload_benchmark_smoke(tmp_path: Path) -> None:
+    """The optimizer rows and the page section of benchmarks/offload.py (its fit rows need a process group: they
+    run in the real benchmark; the offload fit itself is tested in tests/test_deepspeed.py)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "offload.py"), "--smoke", "--skip-fit", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = json.loads((tmp_path / "offload.json").read_text())
+    names = [r["optimizer"] for r in results["optimizer"]["rows"]]
+    assert names == ["torch AdamW (foreach)", "torch AdamW (fused)", "DeepSpeedCPUAdam"]
+    assert all(r["median_ms"] > 0 for r in results["optimizer"]["rows"])
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert "## Optimizer offload" in page and "DeepSpeedCPUAdam" in page

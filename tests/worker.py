@@ -60,6 +60,9 @@ def run(scenario: dict, out_dir: Path) -> None:
 
         peak = PeakGradientBytes()
         trainer.callbacks.insert(0, peak)  # ahead of the recorder, whose first-step gradient gather is no gradient
+    start = _StartParameters() if scenario.get("record_start_params") else None
+    if start is not None:
+        trainer.callbacks.append(start)  # the weights a resumed fit starts from (e.g. a DeepSpeed hand-over)
     counter = _CollectiveCounter(strategy) if scenario.get("count_collectives") else None
     if counter is not None:
         trainer.callbacks.append(counter)
@@ -119,9 +122,15 @@ def run(scenario: dict, out_dir: Path) -> None:
     views: list = [None] * world
     dist.all_gather_object(views, (full_parameters(module), recorder.grads))
     params = {k: v for view, _ in views for k, v in view.items()}
+    start_params = None
+    if start is not None:
+        starts: list = [None] * world
+        dist.all_gather_object(starts, start.params)
+        start_params = {k: v for view in starts for k, v in view.items()}
     recorder.grads = {k: v for _, grads in views for k, v in grads.items()}
     result = {
         "losses": recorder.losses,
+        "start_params": start_params,
         "norms": recorder.norms,
         "batch_fingerprints": recorder.batch_fingerprints,
         "predictions": predictions,
@@ -157,6 +166,15 @@ def run(scenario: dict, out_dir: Path) -> None:
         result["probe"] = records
     if dist.get_rank() == 0:
         torch.save(result, out_dir / f"{scenario['name']}.pt")
+
+
+class _StartParameters(L.Callback):
+    """This rank's full parameters when training starts (after a checkpoint was loaded)."""
+
+    params: dict = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.params = full_parameters(pl_module)
 
 
 class _CollectiveCounter(L.Callback):
@@ -264,6 +282,11 @@ def main() -> None:
             sys.stderr.flush()
             faulthandler.dump_traceback_later(limit, exit=True)
         try:
+            if scenario.get("deepspeed_source"):  # a raw DeepSpeed engine writes a checkpoint for later scenarios
+                from tests.deepspeed_source import record
+
+                record(scenario, out_dir)
+                continue
             run(scenario, out_dir)
         except Exception as error:
             if scenario.get("expect_error"):

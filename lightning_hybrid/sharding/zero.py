@@ -485,6 +485,7 @@ class ShardedGradientBuckets(_InOrderLaunch):
         dtype: Optional[torch.dtype] = None,
         tensor_sync: Optional[GradientSync] = None,
         parameter_order: Optional[list[nn.Parameter]] = None,
+        host_copies: bool = False,
     ) -> None:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -537,6 +538,16 @@ class ShardedGradientBuckets(_InOrderLaunch):
         self._callback_queued = False
         self.passes = 0  # backward passes reduced (one per micro-batch)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._slot_params()]
+        # optimizer offload on an accelerator: during the step's last backward pass (armed), each settled bucket's
+        # piece of this rank's shard is copied into pinned host memory at once, overlapping the rest of backward
+        self._host: Optional[list[Tensor]] = None
+        if host_copies and self.device.type != "cpu":
+            self._host = [torch.zeros(g.shard_size, dtype=self.dtype, pin_memory=True) for g in groups]
+        self._owned = [0] * len(groups)  # elements of this rank's shard that the buckets cover, per group
+        for b in self.buckets:
+            self._owned[b.group] += sum(hi - lo for q, lo, hi in b.pieces if q == dp_rank)
+        self._copied = [0] * len(groups)
+        self._armed = False
 
     def _slot_params(self) -> list[nn.Parameter]:
         return list({id(p): p for b in self.buckets for p in b.params}.values())
@@ -547,7 +558,10 @@ class ShardedGradientBuckets(_InOrderLaunch):
         return [b.numel * torch.empty((), dtype=self.dtype).element_size() for b in self.buckets]
 
     def arm(self) -> None:
-        """Nothing to do: every backward pass reduces (see the class notes)."""
+        """The next backward pass is the step's last. Every pass reduces (see the class notes); with host copies
+        (offload), this one also copies each settled piece of the shard to host memory as it goes."""
+        self._armed = True
+        self._copied = [0] * len(self.flat_groups)
 
     def _buffer(self, b: _ShardBucket) -> Tensor:
         if b.buffer is None:
@@ -600,6 +614,9 @@ class ShardedGradientBuckets(_InOrderLaunch):
                 if acc is None:
                     acc = self._accumulators[b.group] = torch.zeros(shard, dtype=self.dtype, device=self.device)
                 acc[lo - base : hi - base].add_(b.buffer[lo - b.start : hi - b.start])
+                if self._host is not None and self._armed:  # final for this step: to host memory, not waited for
+                    self._host[b.group][lo - base : hi - base].copy_(acc[lo - base : hi - base], non_blocking=True)
+                    self._copied[b.group] += hi - lo
         b.buffer = None
         b.reported.clear()
 
@@ -609,7 +626,7 @@ class ShardedGradientBuckets(_InOrderLaunch):
             self._launch(b, in_backward=False)
         while self._in_flight:
             self._settle(self._in_flight.pop(0))
-        self._next, self._callback_queued = 0, False
+        self._next, self._callback_queued, self._armed = 0, False, False
         self.passes += 1
 
     def accumulated(self, index: int) -> Optional[Tensor]:
@@ -621,6 +638,11 @@ class ShardedGradientBuckets(_InOrderLaunch):
         the last call (zeros if none ran); the buckets start accumulating a new one."""
         acc = self._accumulators[index]
         self._accumulators[index] = None
+        if self._host is not None and acc is not None and self._copied[index] == self._owned[index]:
+            # the last backward pass copied every piece to host memory already: wait for those copies only
+            self._copied[index] = 0
+            torch.cuda.current_stream(self.device).synchronize()
+            return self._host[index]
         if acc is None:
             acc = torch.zeros(self.flat_groups[index].shard_size, dtype=self.dtype, device=self.device)
         return acc
@@ -632,8 +654,9 @@ class ShardedGradientBuckets(_InOrderLaunch):
                 handle.wait()
             b.handles, b.buffer = [], None
             b.reported.clear()
-        self._in_flight, self._next, self._callback_queued = [], 0, False
+        self._in_flight, self._next, self._callback_queued, self._armed = [], 0, False, False
         self._accumulators = [None] * len(self.flat_groups)
+        self._copied = [0] * len(self.flat_groups)
 
     def remove_hooks(self) -> None:
         """Stop receiving gradients (the optimizer is being replaced)."""
@@ -689,9 +712,13 @@ class ShardedOptimizer:
         bucket_cap_mb: Optional[float] = None,
         tensor_sync: Optional[GradientSync] = None,
         parameter_order: Optional[list[nn.Parameter]] = None,
+        host_masters: bool = False,
     ) -> None:
         assert stage in (0, 1, 2)
         self.optimizer = optimizer
+        # optimizer offload (sharding/offload.py): the masters live in host memory (pinned on CUDA), where
+        # DeepSpeedCPUAdam steps them; on a CPU-only machine they are where they would be anyway
+        self.host_masters = host_masters
         self.stage = stage
         self.group = dp_mesh.get_group()
         self.dp = dp_mesh.size()
@@ -711,7 +738,7 @@ class ShardedOptimizer:
                     flat = flat.to(master_dtype or flat.dtype)
                     flat = torch.cat([flat, flat.new_zeros(self._padded(shard) - numel)])
                     start = self.dp_rank * shard if self.sharded else 0
-                    master = nn.Parameter(flat[start : start + shard].clone())
+                    master = nn.Parameter(self._on_master_device(flat[start : start + shard]))
                 param_group["params"] = [master]
             self.groups.append(_FlatGroup(params, numel, shard, master))
         if self.uses_masters:
@@ -735,6 +762,7 @@ class ShardedOptimizer:
                 dtype=next(g.master.dtype for g in self.groups if g.master is not None),
                 tensor_sync=tensor_sync,
                 parameter_order=parameter_order,
+                host_copies=host_masters,
             )
         elif bucket_cap_mb is not None and not self.uses_masters and self.dp > 1 and self.model_parameters:
             self.buckets = GradientBuckets(
@@ -749,6 +777,24 @@ class ShardedOptimizer:
         """Whether backward itself reduces the gradients into this rank's shard (ZeRO-2 buckets): afterwards no
         parameter holds a gradient, and the tensor-parallel sync has been applied bucket by bucket."""
         return isinstance(self.buckets, ShardedGradientBuckets)
+
+    def _on_master_device(self, t: Tensor) -> Tensor:
+        """A copy of ``t`` where the masters live: host memory (pinned on CUDA) under offload, else beside ``t``."""
+        if not self.host_masters or t.device.type == "cpu":
+            return t.clone()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        return host
+
+    def _to_master(self, grad: Tensor) -> Tensor:
+        """A reduced gradient shard where the masters are. Under offload on CUDA: copied into pinned host memory
+        without blocking (the offload waits for the copies once, before it steps), so the next group's reduction
+        runs meanwhile; a shard the ZeRO-2 buckets already copied during backward arrives here in host memory."""
+        if not self.host_masters or grad.device.type == "cpu":
+            return grad
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        host.copy_(grad, non_blocking=True)
+        return host
 
     def _padded(self, shard: int) -> int:
         return shard * self.dp if self.sharded else shard
@@ -807,7 +853,11 @@ class ShardedOptimizer:
             # backward has reduced every pass into this rank's shard: average it
             for i, g in enumerate(self.groups):
                 if g.master is not None:
-                    g.master.grad = self.buckets.take(i).div_(self.dp)
+                    # averaged before the copy to host memory, unless the buckets copied during backward (then after)
+                    taken = self.buckets.take(i)
+                    g.master.grad = (
+                        self._to_master(taken.div_(self.dp)) if taken.device.type != "cpu" else taken.div_(self.dp)
+                    )
                 self._flat_grads.append(None)
             return
         if self.buckets is not None:
@@ -829,7 +879,7 @@ class ShardedOptimizer:
                 shard = flat.new_empty(g.shard_size)
                 _reduce_scatter(shard, flat, group=self.group)
                 shard.div_(self.dp)
-                g.master.grad = shard
+                g.master.grad = self._to_master(shard)
                 for p in g.params:
                     p.grad = None
                 # stage 1 keeps the (unreduced) full-size buffer until the step, as ZeRO-1 accounts it
@@ -844,7 +894,7 @@ class ShardedOptimizer:
                 _unflatten_into([local_grad(p) for p in g.params], flat[: g.numel])
             else:
                 start = self.dp_rank * g.shard_size if self.sharded else 0
-                g.master.grad = flat[start : start + g.shard_size]
+                g.master.grad = self._to_master(flat[start : start + g.shard_size])
                 for p in g.params:
                     p.grad = None
             self._flat_grads.append(flat)
@@ -861,6 +911,8 @@ class ShardedOptimizer:
                 continue
             # cast first: low-precision parameters need only low-precision bytes on the wire
             updated = g.master.detach().to(g.params[0].dtype)
+            if updated.device != local_tensor(g.params[0]).device:  # host masters (offload): back to the device
+                updated = updated.to(local_tensor(g.params[0]).device, non_blocking=True)
             full = updated
             if self.sharded:
                 full = updated.new_empty(g.shard_size * self.dp)
