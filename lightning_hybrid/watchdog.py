@@ -29,6 +29,7 @@ import faulthandler
 import itertools
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -142,6 +143,7 @@ class HangWatchdog(P2PObserver):
         self._tokens = itertools.count()
         self._failed = False
         self._last_state: dict[str, Any] = {"waits": []}
+        self._store_error: Optional[str] = None
         self._store: Optional[Any] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -248,6 +250,7 @@ class HangWatchdog(P2PObserver):
         point-to-point wait it is blocked in."""
         waits: list[dict[str, Any]] = []
         seqs: dict[str, list[int]] = {}
+        last: Optional[dict[str, Any]] = None  # the newest collective, retired or not
         trace = _flight_recorder_dump(self.backend)
         if trace is not None:
             pg_names: dict[str, str] = {}
@@ -259,6 +262,13 @@ class HangWatchdog(P2PObserver):
                     seq = int(entry.get("collective_seq_id", 0))
                     since = int(entry.get("time_created_ns", 0)) / 1e9
                     waits.append({"op": op, "group": name, "seq": seq, "since": since})
+                if not entry.get("is_p2p"):
+                    last = {
+                        "op": str(entry.get("profiling_name", "?")).split(":")[-1],
+                        "group": name,
+                        "seq": int(entry.get("collective_seq_id", 0)),
+                        "since": int(entry.get("time_created_ns", 0)) / 1e9,
+                    }
             for pg_id, status in trace.get("pg_status", {}).items():
                 if pg_id in pg_names:
                     seqs[pg_names[pg_id]] = [
@@ -267,7 +277,15 @@ class HangWatchdog(P2PObserver):
                     ]
         for op, group, peer, since, failed in list(self._waits.values()):
             waits.append({"op": op, "group": group, "peer": peer, "since": since, "failed": failed})
-        return {"t": time.time(), "pid": os.getpid(), "waits": waits, "seqs": seqs, "groups": self._groups}
+        return {
+            "t": time.time(),
+            "host": _HOST,
+            "pid": os.getpid(),
+            "waits": waits,
+            "last": last,
+            "seqs": seqs,
+            "groups": self._groups,
+        }
 
     # ------------------------------------------------------------------ the report
     def _trigger(self, reason: str) -> None:
@@ -277,6 +295,7 @@ class HangWatchdog(P2PObserver):
         try:
             store = self._store
             states: Optional[dict[int, Optional[dict[str, Any]]]] = None
+            self._store_error = "no store address (MASTER_ADDR/MASTER_PORT)" if store is None else None
             if store is not None:
                 try:
                     if not store.check([self._key("hang")]):
@@ -287,8 +306,8 @@ class HangWatchdog(P2PObserver):
                     values = store.multi_get([k for k, ok in zip(keys, present) if ok])
                     it = iter(values)
                     states = {r: (json.loads(next(it)) if ok else None) for r, ok in enumerate(present)}
-                except Exception:
-                    states = None
+                except Exception as error:
+                    states, self._store_error = None, _first_line(error)
             if states is None:
                 states, answered = {self.rank: self._state_at_failure()}, False
             else:
@@ -314,6 +333,9 @@ class HangWatchdog(P2PObserver):
         for w in self._last_state["waits"]:
             if (w["op"], w["group"], w.get("seq"), w.get("peer"), w["since"]) not in current:
                 state["waits"].append({**w, "failed": True})
+        if not state["waits"] and state["last"] is not None:
+            # failed between two heartbeats: the newest collective (already retired by the failure) is the one
+            state["waits"].append({**state["last"], "failed": True})
         return state
 
     def _named_stuck_is_me(self, states: Optional[dict[int, Optional[dict[str, Any]]]]) -> bool:
@@ -330,23 +352,25 @@ class HangWatchdog(P2PObserver):
         now = time.time()
         groups = _merged_groups(states, self._groups)
         stuck, behind = analyse(states, groups, now, self._stale_after())
-        head = f"[rank {self.rank}] lightning-hybrid watchdog: collective timeout ({self.timeout:.0f} s): {reason}."
+        head = f"[rank {self.rank}] lightning-hybrid watchdog (collective timeout {self.timeout:.0f} s): {reason}."
         lines = [head]
         if not store_answered:
             host = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
             lines.append(
-                f"  The job's store at {host[0]}:{host[1]} does not answer, so other ranks' heartbeats cannot be read."
-                " Under Lightning's own launcher rank 0 hosts the store: rank 0 is then likely the stuck rank."
+                f"  The job's store at {host[0]}:{host[1]} does not answer ({self._store_error}), so other ranks'"
+                " heartbeats cannot be read. Under Lightning's own launcher rank 0 hosts the store: rank 0 is then"
+                " likely the stuck rank."
             )
         for r in sorted(stuck):
             state = states.get(r)
-            why = (
-                "no heartbeat at all"
-                if state is None
-                else f"no heartbeat for {now - state['t']:.0f} s (stopped, killed, or holding the GIL)"
-                if now - state["t"] > self._stale_after()
-                else "alive but not in the collective its peers wait in (stuck in its own code?)"
-            )
+            if state is None:
+                why = "no heartbeat at all"
+            elif _exited(state):
+                why = f"its process (pid {state['pid']} on {state['host']}) has exited"
+            elif now - state["t"] > self._stale_after():
+                why = f"no heartbeat for {now - state['t']:.0f} s (stopped, killed, or holding the GIL)"
+            else:
+                why = "alive but not in the collective its peers wait in (stuck in its own code?)"
             lines.append(f"  Stuck rank: {r} ({self._where(r)}): {why}.")
         if store_answered and not stuck:
             lines.append("  No rank is behind: the ranks wait on each other (a cycle of point-to-point waits?).")
@@ -404,7 +428,7 @@ def analyse(
     sequence number on that group is lower); a rank waiting in a point-to-point transfer waits for its peer. Following
     these edges ends at the stuck ranks: one whose heartbeat stopped, or one that is alive but in no collective.
     """
-    alive = {r: s is not None and now - s["t"] <= stale_after for r, s in states.items()}
+    alive = {r: s is not None and now - s["t"] <= stale_after and not _exited(s) for r, s in states.items()}
     waits_for: dict[int, list[int]] = {}
     for r, state in states.items():
         wait = _oldest(state) if state is not None and alive[r] else None
@@ -437,6 +461,26 @@ def analyse(
     if not stuck:  # e.g. a rank stopped inside the collective (it entered it): the silent one is the stuck one
         stuck = {r for r, ok in alive.items() if not ok}
     return stuck, {r: [m for m in late if m in stuck] for r, late in waits_for.items()}
+
+
+_HOST = socket.gethostname()
+
+
+def _exited(state: dict[str, Any]) -> bool:
+    """Whether a rank's process, on this host, no longer exists (a killed rank's last heartbeat is still fresh)."""
+    if state.get("host") != _HOST or not state.get("pid"):
+        return False
+    try:
+        os.kill(int(state["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    try:  # a zombie, not yet reaped by its launcher, has exited too
+        with open(f"/proc/{int(state['pid'])}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 def _oldest(state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
