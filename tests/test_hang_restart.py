@@ -20,7 +20,9 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,3 +123,45 @@ def test_torchrun_restarts_a_killed_job_and_it_resumes_from_the_newest_checkpoin
     print(f"steps lost to the kill: {lost} (checkpoint every {every}); attempts {attempts}")
     assert lost <= every - 1
     assert "Restoring states from the checkpoint path at" in log and "last.ckpt" in log, log[-3000:]
+
+
+# ---------------------------------------------------------------- single process: the argument and the analysis
+@pytest.mark.parametrize(("given", "seconds"), [(None, 600.0), (20, 20.0), (2.5, 2.5), (timedelta(minutes=3), 180.0)])
+def test_timeout_takes_a_timedelta_or_seconds(given: Any, seconds: float) -> None:
+    from lightning_hybrid import HybridStrategy
+    from lightning_hybrid.watchdog import resolve_timeout
+
+    assert resolve_timeout(given).total_seconds() == seconds
+    assert HybridStrategy(timeout=given)._timeout.total_seconds() == seconds
+
+
+@pytest.mark.parametrize("given", [0, -5, "10m", True, timedelta(0)])
+def test_bad_timeout_names_the_parameter_the_value_and_the_fix(given: Any) -> None:
+    from lightning_hybrid import HybridConfigError, HybridStrategy
+
+    with pytest.raises(HybridConfigError, match=r"`timeout` must be a positive datetime\.timedelta or a number of"):
+        HybridStrategy(timeout=given)
+
+
+def _beat(t: float, waits: list[dict[str, Any]], seqs: dict[str, list[int]]) -> dict[str, Any]:
+    return {"t": t, "host": "elsewhere", "pid": 1, "waits": waits, "seqs": seqs}
+
+
+def test_analysis_follows_waits_to_the_rank_that_is_behind() -> None:
+    """Rank 0 waits in a tensor all-reduce with rank 1; rank 1 waits to receive from rank 3 (pipeline); rank 3 is
+    alive but has not entered the data all-reduce rank 2 waits in, and waits in nothing: rank 3 is the stuck one."""
+    from lightning_hybrid.watchdog import analyse
+
+    groups = {"t01": ["tensor", [0, 1]], "d23": ["data", [2, 3]], "p13": ["pipeline", [1, 3]]}
+    now = 100.0
+    states = {
+        0: _beat(now, [{"op": "all_reduce", "group": "t01", "seq": 7, "since": 50}], {"t01": [7, 6]}),
+        1: _beat(now, [{"op": "recv", "group": "p13", "peer": 3, "since": 55}], {"t01": [6, 6]}),
+        2: _beat(now, [{"op": "all_reduce", "group": "d23", "seq": 4, "since": 52}], {"d23": [4, 3]}),
+        3: _beat(now, [], {"d23": [3, 3]}),
+    }
+    stuck, behind = analyse(states, groups, now, stale_after=5.0)
+    assert stuck == {3} and behind[2] == [3] and behind[1] == [3]
+    # the same with rank 3 silent (stopped): still rank 3, also when it had entered the collective before stopping
+    states[3] = _beat(now - 30, [{"op": "all_reduce", "group": "d23", "seq": 4, "since": 69}], {"d23": [4, 3]})
+    assert analyse(states, groups, now, stale_after=5.0)[0] == {3}
