@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
     _distributed_is_initialized,
@@ -75,6 +74,7 @@ from lightning_hybrid.tensor_parallel import (
     validate_tensor_parallel_plan,
 )
 from lightning_hybrid.topology import build_device_mesh, format_rank_table, gather_rank_devices
+from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, HangWatchdog, configure_flight_recorder, resolve_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -126,7 +126,10 @@ class HybridStrategy(ParallelStrategy):
             ``strategy.last_gradient_norm`` (one pass over the gradients and a scalar all-reduce). Clipping by norm
             takes it anyway; :class:`~lightning_hybrid.monitoring.HybridMonitor` turns this on.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
-        timeout: timeout of collectives.
+        timeout: how long a collective waits for a rank that does not come (a ``datetime.timedelta`` or seconds;
+            default 10 minutes), on every process group of the mesh. A stuck rank (stopped, deadlocked) then ends
+            the job within this time plus 30 s, and every rank prints which rank is stuck and the collective and
+            mesh dimension each rank waits in (``lightning_hybrid.watchdog``; see docs/reliability.md).
         async_checkpoint: write checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save
             copies this rank's shards to CPU memory and training goes on while they are written; the next save and
             the end of training wait for it. The checkpoint appears under its name only once complete, as with
@@ -173,7 +176,7 @@ class HybridStrategy(ParallelStrategy):
         bucket_cap_mb: float = 25.0,
         track_gradient_norm: bool = False,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         async_checkpoint: bool = False,
         health_checks: Union[bool, Any] = True,
         monitor: Union[bool, HybridMonitor] = True,
@@ -232,7 +235,8 @@ class HybridStrategy(ParallelStrategy):
         self._vocab_parallel_loss = vocab_parallel_loss
         self._transformer_blocks = transformer_blocks
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = resolve_timeout(timeout)
+        self._watchdog: Optional[HangWatchdog] = None
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
         self._health_checks = health_checks
         if not isinstance(monitor, (bool, HybridMonitor)):
@@ -340,6 +344,7 @@ class HybridStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         created = not _distributed_is_initialized()
+        configure_flight_recorder(self._process_group_backend)  # before the groups exist
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if created:
             # Destroy every process group at exit, while the interpreter is still whole. Lightning registers this for
@@ -347,7 +352,9 @@ class HybridStrategy(ParallelStrategy):
             # called without an active exception"): its worker threads release tensors, which takes the GIL, and a
             # thread taking the GIL during finalization is ended by pthread_exit. A no-op if already destroyed.
             atexit.register(_destroy_groups_at_exit)
-        self._device_mesh = build_device_mesh(self._layout, self.root_device.type)
+        self._device_mesh = build_device_mesh(self._layout, self.root_device.type, self._timeout)
+        self._watchdog = HangWatchdog(self._device_mesh, self._timeout, self._process_group_backend)
+        self._watchdog.start()
         self._data_group = self._device_mesh["data"].get_group()  # slicing a mesh builds a new one: once, not per step
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -950,6 +957,8 @@ class HybridStrategy(ParallelStrategy):
             self.lightning_module.__dict__.pop("lr_scheduler_step", None)  # see _hold_schedulers_on_skipped_steps
         # Bucket all-reduces are in flight only if a step raised; they are not waited for here, since the peers may
         # never join them (a wait would then block until the collective timeout instead of letting the job end).
+        if self._watchdog is not None:
+            self._watchdog.stop()
         try:
             # the end of training waits for a background checkpoint save, then destroys the save's own group
             self._checkpoint_writer.close()
@@ -957,6 +966,12 @@ class HybridStrategy(ParallelStrategy):
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # a failed or timed-out collective: report which rank is stuck before the process exits
+        if self._watchdog is not None:
+            self._watchdog.on_exception(exception)
 
     @classmethod
     @override

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,9 @@ __all__ = ["MESH_DIM_NAMES", "build_device_mesh", "format_rank_table", "gather_r
 MESH_DIM_NAMES = ("pipeline", "data", "tensor")
 
 
-def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
-    """Create the ``DeviceMesh`` with named dimensions ``("pipeline", "data", "tensor")``.
+def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: Optional[timedelta] = None) -> DeviceMesh:
+    """Create the ``DeviceMesh`` with named dimensions ``("pipeline", "data", "tensor")``; its groups get ``timeout``
+    (DeviceMesh creates them with torch's default timeout otherwise, not the default group's).
 
     Example:
         >>> # after torch.distributed is initialised with 8 processes
@@ -30,7 +32,19 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (layout.pipeline_parallel_size, layout.data_parallel_size, layout.tensor_parallel_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+    override = None
+    if timeout is not None:
+        # a dimension spanning the world reuses the default group (which has the timeout already): no override there
+        override = {n: _options(timeout) for n, size in zip(MESH_DIM_NAMES, shape) if size < layout.world_size}
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES, backend_override=override or None)
+
+
+def _options(timeout: timedelta) -> tuple[str, Any]:
+    """(backend, options with ``timeout``) for a mesh dimension's groups, on the default group's backend."""
+    backend = dist.get_backend()
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return backend, options
 
 
 def gather_rank_devices(device: torch.device) -> list[tuple[str, str, int]]:

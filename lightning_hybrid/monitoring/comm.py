@@ -9,6 +9,9 @@ Three paths carry the traffic of a hybrid run, and the meter sees all of them:
 3. The waits that complete asynchronous ones (``Work.wait()``, ``wait_tensor``) are added to the collective they
    finish, so an asynchronous send costs what it really blocked the caller for.
 
+The same patches tell observers (the hang watchdog, ``lightning_hybrid.watchdog``) when a thread blocks in a
+point-to-point wait and when it returns: torch's flight recorder records collectives under gloo, not ``send``/``recv``.
+
 Time is host wall time. On CUDA (NCCL) a collective call only enqueues a kernel and returns: the seconds measure the
 launch (and blocking waits) unless the caller synchronizes; on CPU (gloo) they are the transfer itself.
 """
@@ -31,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["CommunicationMeter", "Stat"]
+__all__ = ["CommunicationMeter", "P2PObserver", "Stat", "observe_p2p_waits"]
 
 Key = tuple[str, str]  # (mesh dimension name or "world"/"other", collective name)
 
@@ -94,6 +97,7 @@ class _State:
 
     lock = threading.Lock()
     meters: list[CommunicationMeter] = []
+    observers: list[P2PObserver] = []
     originals: dict[tuple[Any, str], Any] = {}
     local = threading.local()  # depth of nested c10d calls on this thread (all_gather_object -> all_gather)
 
@@ -117,20 +121,83 @@ def _record_time(key: Optional[Key], seconds: float) -> None:
         meter._add(key, 0, 0, seconds)
 
 
-class _TimedWork(dist.Work):
-    """The ``Work`` of an asynchronous collective, timing ``wait()`` into the collective's entry. A subclass of
-    ``dist.Work`` because FSDP2 checks ``isinstance(work, Work)`` before waiting."""
+class P2PObserver:
+    """Told when a thread blocks in a point-to-point transfer (a blocking ``send``/``recv``, or ``wait()`` on the
+    ``Work`` of ``isend``/``irecv``/``batch_isend_irecv``) and when it returns. Calls come on the waiting thread:
+    keep them to a few dictionary operations."""
 
-    def __init__(self, inner: dist.Work, key: Optional[Key]) -> None:
+    def p2p_wait_begin(self, op: str, group: Any, peer: Optional[int]) -> Any:
+        """``op`` is ``"send"`` or ``"recv"``, ``peer`` the global rank; returns a token for ``p2p_wait_end``."""
+        raise NotImplementedError
+
+    def p2p_wait_end(self, token: Any, failed: bool) -> None:
+        """``failed``: the wait raised (a timeout, a peer gone)."""
+        raise NotImplementedError
+
+
+P2P = tuple[str, Any, Optional[int]]  # (op, group, global peer rank) of a point-to-point transfer
+
+
+def observe_p2p_waits(observer: P2PObserver, active: bool = True) -> None:
+    """Add (or with ``active=False`` remove) an observer of point-to-point waits; the c10d functions are patched
+    while a meter or an observer is active."""
+    with _State.lock:
+        if active and observer not in _State.observers:
+            if not _State.meters and not _State.observers:
+                _install()
+            _State.observers.append(observer)
+        elif not active and observer in _State.observers:
+            _State.observers.remove(observer)
+            if not _State.meters and not _State.observers:
+                _uninstall()
+
+
+def _begin(p2p: Optional[P2P]) -> list[tuple[P2PObserver, Any]]:
+    if p2p is None:
+        return []
+    return [(o, o.p2p_wait_begin(*p2p)) for o in list(_State.observers)]
+
+
+def _end(tokens: list[tuple[P2PObserver, Any]], failed: bool) -> None:
+    for observer, token in tokens:
+        observer.p2p_wait_end(token, failed)
+
+
+def _p2p_of(name: str, bound: dict[str, Any]) -> Optional[P2P]:
+    """(op, group, global peer) of a c10d point-to-point call, None for collectives or without observers."""
+    if name not in _P2P_NAMES or not _State.observers:
+        return None
+    group = bound.get("group")
+    peer = bound.get("dst", bound.get("src"))
+    if peer is None:
+        group_peer = bound.get("group_dst", bound.get("group_src"))
+        if group_peer is not None:
+            try:
+                peer = dist.get_global_rank(group if group is not None else dist.group.WORLD, group_peer)
+            except Exception:
+                peer = None
+    return _P2P_NAMES[name], group, peer
+
+
+class _TimedWork(dist.Work):
+    """The ``Work`` of an asynchronous collective, timing ``wait()`` into the collective's entry (and telling the
+    point-to-point observers). A subclass of ``dist.Work`` because FSDP2 checks ``isinstance(work, Work)`` before
+    waiting."""
+
+    def __init__(self, inner: dist.Work, key: Optional[Key], p2p: Optional[P2P] = None) -> None:
         super().__init__()
-        self._inner, self._key = inner, key
+        self._inner, self._key, self._p2p = inner, key, p2p
 
     def wait(self, timeout: Any = None) -> bool:
-        start = time.perf_counter()
+        tokens = _begin(self._p2p)
+        start, failed = time.perf_counter(), True
         try:
-            return self._inner.wait() if timeout is None else self._inner.wait(timeout)
+            done = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+            failed = False
+            return done
         finally:
             _record_time(self._key, time.perf_counter() - start)
+            _end(tokens, failed)
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
@@ -154,8 +221,9 @@ class _TimedWork(dist.Work):
         self._inner.synchronize()
 
 
-def _wrap_work(result: Any, key: Optional[Key]) -> Any:
-    return _TimedWork(result, key) if isinstance(result, dist.Work) and key is not None else result
+def _wrap_work(result: Any, key: Optional[Key], p2p: Optional[P2P] = None) -> Any:
+    wrap = isinstance(result, dist.Work) and (key is not None or p2p is not None)
+    return _TimedWork(result, key, p2p) if wrap else result
 
 
 class _Patched:
@@ -177,6 +245,8 @@ class _Patched:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not _State.meters:
+            if _State.observers and self.name in _P2P_NAMES and _depth() == 0:
+                return self._observed(args, kwargs)
             return self.original(*args, **kwargs)
         bound = self.signature.bind_partial(*args, **kwargs).arguments
         payload = _C10D_PAYLOAD.get(self.name)
@@ -187,16 +257,34 @@ class _Patched:
         peer = None
         if self.name in _P2P_NAMES:
             peer = bound.get("dst", bound.get("src"))
+        p2p = _p2p_of(self.name, bound)
+        blocking = p2p is not None and self.name in ("send", "recv")
+        tokens = _begin(p2p) if blocking else []
         _State.local.depth, _State.local.nested_bytes = 1, 0
-        start = time.perf_counter()
+        start, failed = time.perf_counter(), True
         try:
             result = self.original(*args, **kwargs)
+            failed = False
         finally:
             _State.local.depth = 0
             seconds = time.perf_counter() - start
+            _end(tokens, failed)
         nbytes = nbytes if payload else _State.local.nested_bytes
         key = _record(bound.get("group"), _P2P_NAMES.get(self.name, self.name), nbytes, seconds, peer)
-        return _wrap_work(result, key)
+        return _wrap_work(result, key, None if blocking else p2p)
+
+    def _observed(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A point-to-point call while only observers are active: no metering, just the wait."""
+        p2p = _p2p_of(self.name, self.signature.bind_partial(*args, **kwargs).arguments)
+        if self.name in ("send", "recv"):  # blocking: the call itself is the wait
+            tokens, failed = _begin(p2p), True
+            try:
+                result = self.original(*args, **kwargs)
+                failed = False
+                return result
+            finally:
+                _end(tokens, failed)
+        return _wrap_work(self.original(*args, **kwargs), None, p2p)
 
 
 def _patched_batch_isend_irecv(original: Callable) -> Callable:
@@ -204,8 +292,14 @@ def _patched_batch_isend_irecv(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
-        if _depth() > 0 or not _State.meters:
+        if _depth() > 0 or not (_State.meters or _State.observers):
             return original(p2p_op_list)
+        if not _State.meters:  # observers only: each op's wait (one work per op, or one for a coalesced batch)
+            works = original(p2p_op_list)
+            if not isinstance(works, list):
+                return works
+            p2ps = [_batch_p2p(p2p) for p2p in p2p_op_list]
+            return [_wrap_work(w, None, p2ps[min(i, len(p2ps) - 1)]) for i, w in enumerate(works)]
         _State.local.depth, _State.local.nested_bytes = 1, 0
         start = time.perf_counter()
         try:
@@ -213,15 +307,25 @@ def _patched_batch_isend_irecv(original: Callable) -> Callable:
         finally:
             _State.local.depth = 0
             seconds = time.perf_counter() - start
-        keys = []
+        keys, p2ps = [], []
         for p2p in p2p_op_list:
             op = "send" if getattr(p2p.op, "__name__", "") == "isend" else "recv"
             keys.append(_record(p2p.group, op, _nbytes(p2p.tensor), seconds / max(1, len(p2p_op_list)), p2p.peer))
+            p2ps.append(_batch_p2p(p2p))
         if isinstance(works, list) and len(works) == len(keys):
-            return [_wrap_work(w, k) for w, k in zip(works, keys)]
-        return [_wrap_work(w, keys[0] if keys else None) for w in works] if isinstance(works, list) else works
+            return [_wrap_work(w, k, o) for w, k, o in zip(works, keys, p2ps)]
+        if isinstance(works, list):
+            return [_wrap_work(w, keys[0] if keys else None, p2ps[0] if p2ps else None) for w in works]
+        return works
 
     return batch_isend_irecv
+
+
+def _batch_p2p(p2p: Any) -> Optional[P2P]:
+    """(op, group, global peer) of one ``P2POp`` of a batch, None without observers."""
+    if not _State.observers:
+        return None
+    return ("send" if getattr(p2p.op, "__name__", "") == "isend" else "recv"), p2p.group, p2p.peer
 
 
 def _install() -> None:
@@ -354,7 +458,7 @@ class CommunicationMeter:
     def __enter__(self) -> CommunicationMeter:
         self._index_groups()
         with _State.lock:
-            if not _State.meters:
+            if not _State.meters and not _State.observers:
                 _install()
             _State.meters.append(self)
         self._active = True
@@ -370,7 +474,7 @@ class CommunicationMeter:
         with _State.lock:
             if self in _State.meters:
                 _State.meters.remove(self)
-            if not _State.meters:
+            if not _State.meters and not _State.observers:
                 _uninstall()
         self._active = False
 
