@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from lightning_hybrid.planning.hardware import GB
+from lightning_hybrid.planning.search import _gb
 
 if TYPE_CHECKING:
     from lightning_hybrid.planning import Plan
@@ -50,19 +51,26 @@ def format_table(plan: Plan, limit: int = 12) -> str:
     lines = [
         f"lightning-hybrid plan: {plan.spec.total_params / 1e9:.2f}B parameters, {plan.spec.layers} layers, hidden"
         f" {plan.spec.hidden}, seq {plan.spec.seq}, micro-batch {plan.setup.micro_batch}, {plan.setup.precision},"
-        f" {plan.setup.optimizer}; {hw.nodes} x {hw.devices_per_node} x {hw.device_memory / GB:.0f} GB",
+        f" {plan.setup.optimizer}; {hw.nodes} x {hw.devices_per_node} x {_gb(hw.device_memory)}",
         f"{'#':>3} {'layout':<34} {'params':>7} {'grads':>7} {'master':>7} {'optim':>7} {'activ':>7} {'buffers':>7}"
         f" {'peak':>7} {'step s':>8}  verdict",
     ]
     feasible = [e for e in plan.layouts if e.feasible][:limit]
     infeasible = [e for e in plan.layouts if not e.feasible][:limit]
+    top = max((e.ledger.peak for e in feasible + infeasible), default=GB)
+    unit, size = next((u, s) for u, s in (("GB", GB), ("MB", 1e6), ("KB", 1e3), ("B", 1)) if top >= 10 * s or s == 1)
+    lines[1] = (
+        lines[1]
+        .replace("layout", f"layout ({unit})", 1)
+        .replace(f"layout ({unit})" + " " * len(f" ({unit})"), f"layout ({unit})")
+    )
     for i, e in enumerate(feasible + infeasible):
         ledger = e.ledger
-        cells = " ".join(f"{getattr(ledger, k) / GB:>7.1f}" for k in LEDGER_KEYS[:-1])
+        cells = " ".join(f"{getattr(ledger, k) / size:>7.1f}" for k in LEDGER_KEYS[:-1])
         step = f"{e.step_time:>8.3f}" if e.step_time is not None else f"{'-':>8}"
         mark = " <- rule" if plan.rule is e else ""
         verdict = "ok" if e.feasible else "NO: " + e.reason
-        row = f"{i + 1:>3} {e.candidate.describe():<34} {cells} {ledger.peak / GB:>7.1f} {step}"
+        row = f"{i + 1:>3} {e.candidate.describe():<34} {cells} {ledger.peak / size:>7.1f} {step}"
         lines.append(f"{row}  {verdict}{mark}")
     lines.append(plan.rule_reason + (f": {plan.rule.candidate.describe()}" if plan.rule is not None else ""))
     best = plan.best

@@ -121,7 +121,11 @@ def _structural_reason(spec: ModelSpec, hw: Hardware, c: Candidate) -> Optional[
 
 
 def _gb(x: float) -> str:
-    return f"{x / GB:.1f} GB"
+    """Decimal GB, or MB/KB for the tiny models of tests and examples."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("KB", 1e3)):
+        if abs(x) >= 0.1 * size:
+            return f"{x / size:.1f} {unit}"
+    return f"{x:.0f} B"
 
 
 def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evaluated:
@@ -141,7 +145,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evalu
                               grad_bytes=grad_bytes, act_bytes=PRECISION_BYTES[setup.precision][3],
                               schedule=c.schedule, virtual=c.virtual_stages, recompute=c.recompute,
                               mfu=setup.mfu)  # fmt: skip
-    limit = f"{hw.device_memory / GB:.0f} GB x {hw.usable_fraction:g}"
+    limit = f"{_gb(hw.device_memory).replace('.0 ', ' ')} x {hw.usable_fraction:g}"
     if ledger.peak > hw.usable_memory:
         parts = {
             "parameters": ledger.parameters,
@@ -151,7 +155,9 @@ def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evalu
             "activations": ledger.activations,
             "buffers": ledger.buffers,
         }
-        terms = " + ".join(f"{k} {_gb(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.05 * GB)
+        terms = " + ".join(
+            f"{k} {_gb(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.005 * ledger.peak
+        )
         return Evaluated(c, ledger, step, False, f"{terms} = {_gb(ledger.peak)} > {limit}", tokens, details=details)
     return Evaluated(c, ledger, step, True, f"peak {_gb(ledger.peak)} <= {limit}", tokens, details=details)
 
