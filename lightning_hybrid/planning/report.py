@@ -57,6 +57,8 @@ def format_table(plan: Plan, limit: int = 12) -> str:
     ]
     feasible = [e for e in plan.layouts if e.feasible][:limit]
     infeasible = [e for e in plan.layouts if not e.feasible][:limit]
+    if plan.rule is not None and plan.rule not in feasible:
+        feasible.append(plan.rule)  # the decision rule's pick is always shown, ranked where it is
     top = max((e.ledger.peak for e in feasible + infeasible), default=GB)
     unit, size = next((u, s) for u, s in (("GB", GB), ("MB", 1e6), ("KB", 1e3), ("B", 1)) if top >= 10 * s or s == 1)
     lines[1] = (
@@ -64,7 +66,8 @@ def format_table(plan: Plan, limit: int = 12) -> str:
         .replace("layout", f"layout ({unit})", 1)
         .replace(f"layout ({unit})" + " " * len(f" ({unit})"), f"layout ({unit})")
     )
-    for i, e in enumerate(feasible + infeasible):
+    for e in feasible + infeasible:
+        i = plan.layouts.index(e)
         ledger = e.ledger
         cells = " ".join(f"{getattr(ledger, k) / size:>7.1f}" for k in LEDGER_KEYS[:-1])
         step = f"{e.step_time:>8.3f}" if e.step_time is not None else f"{'-':>8}"
