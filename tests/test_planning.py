@@ -10,6 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+# the scenarios whose measured model state is predicted below are registered by their own modules (all launched once)
+import tests.test_checkpoint  # noqa: F401
+import tests.test_pipeline  # noqa: F401
+import tests.test_precision  # noqa: F401
 from lightning_hybrid import HybridConfigError, HybridStrategy, plan
 from lightning_hybrid.planning import GB, ModelSpec, predict_model_state_bytes, state_bytes_per_parameter
 from lightning_hybrid.planning.activations import block_bytes, stage_activation_bytes
@@ -17,11 +21,6 @@ from lightning_hybrid.planning.auto import auto_layout
 from tests.conftest import SHARED, assert_clean_exit, console_script, share
 from tests.harness import build_module
 from tests.test_foundation import assert_parity, reference_for, scenario
-
-# the scenarios whose measured model state is predicted below are registered by their own modules (all launched once)
-import tests.test_checkpoint  # noqa: E402, F401, I001
-import tests.test_pipeline  # noqa: E402, F401
-import tests.test_precision  # noqa: E402, F401
 
 # LLaMA-7B as the seeds count it: 6.7e9 parameters, s=2048, b=4, h=4096, a=32, 32 layers, GPT-style MLP of 4h
 LLAMA7B = ["--params", "6.7e9", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000",
