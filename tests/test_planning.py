@@ -230,10 +230,11 @@ STATE_SCENARIOS = {
     2: [f"{m}-dp2-zero{z}" for m in ("nanogpt", "llama") for z in range(4)],
     4: ["nanogpt-tp2-dp2-zero0-clip", "nanogpt-tp2-dp2-zero1", "nanogpt-tp2-dp2-zero2-buckets-accum",
         "nanogpt-tp2-dp2-zero3", "llama-tp2-dp2-zero1", "llama-tp2-dp2-zero3", "pp2-dp2-zero0-m2", "pp2-dp2-zero1-m2",
-        "pp2-dp2-zero2-m2", "pp2-dp2-zero3-per_step-m2", "pp2-dp2-zero3-per_microbatch-m2", "llama-pp2-tp2"],
+        "pp2-dp2-zero2-m2", "pp2-dp2-zero3-per_step-m2", "pp2-dp2-zero3-per_microbatch-m2", "llama-pp2-tp2",
+        "pp4-interleaved_1f1b"],
     8: ["plan-tp2-pp2-dp2-zero0", "tp2-pp2-dp2-zero1", "tp2-pp2-dp2-zero2", "tp2-pp2-dp2-zero3",
         "state-bf16-true-2x2x2-zero1", "state-bf16-true-tp2-dp4-zero2", "state-bf16-true-tp2-dp4-zero3",
-        "reshard-to-tp1-pp2-dp4-virtual2"],
+        "mixed-bf16-mixed-2x2x2"],
 }  # fmt: skip
 ZERO0_3D = scenario("plan-tp2-pp2-dp2-zero0", "nanogpt",
                     {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 0}, 2, steps=2)  # fmt: skip
