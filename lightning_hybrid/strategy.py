@@ -370,6 +370,7 @@ class HybridStrategy(ParallelStrategy):
             activation_checkpointing=self._activation_checkpointing,
             schedule=self._pipeline_options["pipeline_schedule"],
             virtual_stages=self._pipeline_options["virtual_pipeline_size"],
+            sequence_parallel=self._sizes["sequence_parallel"],
         )
         self._sizes.update(sizes)
         self._pipeline_options["num_microbatches"] = num_microbatches or sizes["pipeline_parallel_size"]

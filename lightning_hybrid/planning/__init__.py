@@ -117,6 +117,7 @@ def plan(
     attention: Optional[str] = None,
     dropout: Optional[bool] = None,
     mfu: float = 0.4,
+    sequence_parallel: bool = True,
 ) -> Plan:
     """Rank every layout of a cluster for a model: per-device ledger, estimated step time, and why each that does
     not fit fails.
@@ -126,7 +127,8 @@ def plan(
     ``params`` overrides the derived parameter count). ``device_memory`` is in GB (default: the ``gpu`` preset's);
     bandwidths in GB/s. ``recompute`` None tries ``none``, ``selective`` and ``full``. ``attention``: ``"eager"``
     (scores stored, Korthikanti et al.'s formula; the default for raw sizes) or ``"flash"`` (fused, the default for a
-    module or HF config); ``dropout`` likewise (masks stored).
+    module or HF config); ``dropout`` likewise (masks stored). ``sequence_parallel``: under tensor parallel, plan
+    with the norms' activations split too (the strategy's ``sequence_parallel=True``).
 
     Example:
         >>> p = plan(params=6.7e9, layers=32, hidden=4096, heads=32, vocab=32000, seq=2048, micro_batch=1,
@@ -159,6 +161,7 @@ def plan(
         schedule=schedule,
         virtual_stages=virtual_stages,
         mfu=mfu,
+        sequence_parallel=sequence_parallel,
     )
     state_bytes_per_parameter(precision, optimizer, 0, 1)  # checks both names
     layouts = search(spec, hw, setup, tensor_parallel_size=tensor_parallel_size,

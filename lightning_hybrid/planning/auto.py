@@ -43,6 +43,7 @@ def auto_layout(
     activation_checkpointing: bool,
     schedule: str,
     virtual_stages: int,
+    sequence_parallel: bool = False,
 ) -> tuple[dict[str, Any], Optional[int], str]:
     """The sizes of the best feasible layout, its micro-batch count, and the lines to log (layout and ledger).
 
@@ -72,6 +73,7 @@ def auto_layout(
         nodes=world_size // devices_per_node,
         schedule=schedule,
         virtual_stages=virtual_stages,
+        sequence_parallel=sequence_parallel,
     )
     best = result.best
     if best is None:

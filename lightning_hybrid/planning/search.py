@@ -30,6 +30,9 @@ class Setup:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     mfu: float = 0.4
+    sequence_parallel: bool = True
+    """Under tensor parallel, whether the norms' activations are split too (Megatron-SP; the strategy's
+    ``sequence_parallel``)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def _stage_ledger(spec: ModelSpec, setup: Setup, c: Candidate, first: bool, last
         numel += spec.head_params / t
     per = state_bytes_per_parameter(setup.precision, setup.optimizer, c.zero_stage, d)
     act_bytes = PRECISION_BYTES[setup.precision][3]
-    sp = t > 1  # plan with sequence parallel whenever tensor parallel (the strategy's sequence_parallel=True)
+    sp = t > 1 and setup.sequence_parallel
     stage = 0 if first else p - 1
     flight = in_flight_microbatches(c.schedule, p, c.num_microbatches, c.virtual_stages, stage)
     acts = stage_activation_bytes(spec, setup.micro_batch, blocks, first=first, last=last, act_bytes=act_bytes,
