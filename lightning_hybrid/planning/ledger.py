@@ -183,7 +183,7 @@ def predict_model_state_bytes(
         >>> with torch.device("meta"):
         ...     module = NanoGPT(n_layer=2, n_embd=32)
         >>> [r["total"] for r in predict_model_state_bytes(module, data_parallel_size=2, zero_stage=3)]
-        [551936, 551936]
+        [285696, 285696]
     """
     import torch
 
