@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hybrid.config import HybridConfigError, ParallelLayout
 from lightning_hybrid.monitoring import CommunicationMeter, HealthChecks, HybridMonitor
+from lightning_hybrid.planning import plan
 from lightning_hybrid.precision import HybridPrecision
 from lightning_hybrid.strategy import HybridStrategy
 
@@ -15,6 +16,7 @@ __all__ = [
     "HybridPrecision",
     "HybridStrategy",
     "ParallelLayout",
+    "plan",
 ]
 __version__ = "0.1.0"
 

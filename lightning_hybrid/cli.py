@@ -2,6 +2,7 @@
 
 Example:
     lightning-hybrid fit --config cli_configs/cpu_quickstart.yaml --trainer.strategy.init_args.pipeline_parallel_size=2
+    lightning-hybrid plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 4 --nodes 4
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def main(args: Optional[list[str]] = None) -> int:
 
         convert_main(argv[2:])
         return 0
+    if argv[:1] == ["plan"]:  # `lightning-hybrid plan ...`: arithmetic only, no Trainer, no processes
+        from lightning_hybrid.planning.command import main as plan_main
+
+        return plan_main(argv[1:])
     # class paths in configs (e.g. examples.nanogpt.NanoGPT) resolve from the working directory, as with `python -m`
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

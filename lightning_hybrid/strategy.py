@@ -58,6 +58,7 @@ from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blo
 from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.pipeline.shared import SharedParameters, find_shared_parameters
 from lightning_hybrid.pipeline.stage import InputStub
+from lightning_hybrid.planning.auto import check_auto_layout
 from lightning_hybrid.precision import PRECISIONS, HybridPrecision
 from lightning_hybrid.sharding import (
     GradientSync,
@@ -146,6 +147,9 @@ class HybridStrategy(ParallelStrategy):
         offload_optimizer: keep this rank's fp32 master weights and Adam moments in host memory and step them with
             DeepSpeed's ``DeepSpeedCPUAdam`` (ZeRO-Offload; needs ``pip install "lightning-hybrid[deepspeed]"`` and a
             torch Adam/AdamW optimizer). The device keeps parameters and gradients only (docs/offload.md).
+        layout: ``"auto"``: at set-up, take the world size and the device memory and use the planner's best feasible
+            layout (``lightning_hybrid.plan``), logged with its memory ledger. Give no explicit sizes with it.
+        device_memory: GB per device for ``layout="auto"`` on CPU (on CUDA the device's total memory is used).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -181,6 +185,8 @@ class HybridStrategy(ParallelStrategy):
         health_checks: Union[bool, Any] = True,
         monitor: Union[bool, HybridMonitor] = True,
         offload_optimizer: bool = False,
+        layout: Optional[Literal["auto"]] = None,
+        device_memory: Optional[float] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -247,6 +253,9 @@ class HybridStrategy(ParallelStrategy):
         self._monitor = monitor
         self._offload_optimizer = bool(offload_optimizer)
         self._offloads: list[Any] = []
+        check_auto_layout(layout, self._sizes, num_microbatches)
+        self._auto_layout = layout == "auto"
+        self._device_memory = device_memory
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional[DeviceMesh] = None
         self._structure: Optional[ModelStructure] = None
@@ -335,6 +344,8 @@ class HybridStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         # resolve the layout from the world size before the process group exists: a bad layout raises on every rank
+        if self._auto_layout:  # the planner's best feasible layout for this world size and device memory
+            self._plan_layout()
         pipeline_extras = self._pipeline_options if self._sizes["pipeline_parallel_size"] > 1 else {}
         self._layout = ParallelLayout.resolve(world_size=self.world_size, **self._sizes, **pipeline_extras)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -361,6 +372,25 @@ class HybridStrategy(ParallelStrategy):
         table = format_rank_table(self._layout, gather_rank_devices(self.root_device))
         rank_zero_info(table)
         add_monitoring_defaults(self.lightning_module.trainer, self._health_checks, self._monitor)
+
+    def _plan_layout(self) -> None:
+        from lightning_hybrid.planning.auto import auto_layout
+
+        sizes, num_microbatches, message = auto_layout(
+            self.lightning_module,
+            world_size=self.world_size,
+            devices_per_node=self.num_processes,
+            device=self.root_device,
+            device_memory=self._device_memory,
+            precision=str(getattr(self.precision_plugin, "precision", "32-true")),
+            activation_checkpointing=self._activation_checkpointing,
+            schedule=self._pipeline_options["pipeline_schedule"],
+            virtual_stages=self._pipeline_options["virtual_pipeline_size"],
+            sequence_parallel=self._sizes["sequence_parallel"],
+        )
+        self._sizes.update(sizes)
+        self._pipeline_options["num_microbatches"] = num_microbatches or sizes["pipeline_parallel_size"]
+        rank_zero_info(message)
 
     # ------------------------------------------------------------------ model set-up
     @override

@@ -1,0 +1,134 @@
+"""Activation memory: the bytes autograd saves for backward, per micro-batch and per stage, and how many micro-batches
+a pipeline schedule keeps in flight.
+
+Per block, in elements of ``s * b * h`` (sequence x micro-batch x hidden), what the backward of each op keeps:
+
+- GPT block (LayerNorm, fused q|k|v, GELU MLP): the two norms' inputs and outputs (4), the q|k|v output
+  (``1 + 2 kv/h``), the attention output (1), the GELU's input and output (``2 ffn/h``). With 2-byte activations,
+  ``ffn = 4h``, dropout masks (1 byte, after attention and after the MLP) that is Korthikanti et al.'s ``34 s b h``.
+- Llama block (RMSNorm, q/k/v with rotary embeddings, SwiGLU): each norm keeps its input, its normalised value and
+  its output (6), attention keeps q, k, v (``1 + 2 kv/h``) and its output (1), SwiGLU keeps gate, SiLU(gate), up
+  and their product (``4 ffn/h``).
+- Attention scores: the eager softmax keeps ``a s^2 b`` scores (plus, with dropout, its mask and output: the
+  ``5 a s / h`` term of Korthikanti et al.); fused (flash / SDPA) attention keeps only a float32 log-sum-exp per
+  query and head.
+- Under tensor parallel the attention and MLP interiors are split ``t`` ways; the norms' values (and masks) are
+  split too only with sequence parallel (Korthikanti's ``10 + 24/t``).
+
+Recompute: ``"selective"`` recomputes the attention scores (nothing left to drop under fused attention); ``"full"``
+keeps each block's input only (``2 s b h`` bytes at 2 bytes) and recomputes the block in backward, which then needs
+one block's activations at a time (a transient, counted by the ledger as a buffer).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from lightning_hybrid.planning.model import ModelSpec
+
+__all__ = ["Recompute", "block_bytes", "in_flight_microbatches", "stage_activation_bytes"]
+
+Recompute = Literal["none", "selective", "full"]
+Attention = Literal["flash", "eager"]
+
+
+def block_bytes(
+    spec: ModelSpec,
+    micro_batch: int,
+    *,
+    act_bytes: int = 2,
+    tensor_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = "none",
+    attention: Attention = "flash",
+    dropout: bool = False,
+) -> float:
+    """Bytes one block saves for backward for one micro-batch on one tensor-parallel rank.
+
+    Example (Korthikanti et al. 2022, LLaMA-7B at s=2048, b=4: 34 + 5as/h = 114 bytes per s*b*h):
+        >>> spec = ModelSpec(layers=32, hidden=4096, heads=32, ffn=4 * 4096, seq=2048)
+        >>> round(block_bytes(spec, 4, attention="eager", dropout=True) / (2048 * 4 * 4096), 3)
+        114.0
+    """
+    s, b, h, t = spec.seq, micro_batch, spec.hidden, tensor_parallel_size
+    sbh = s * b * h
+    split = t if sequence_parallel else 1
+    if recompute == "full":
+        return act_bytes * sbh / split
+    kv = spec.kv / spec.heads
+    ffn = spec.ffn_size / h
+    if spec.family == "llama":
+        replicated, sharded, stats = 6.0, 2 + 2 * kv + 4 * ffn, 2 * s * b * 4
+    else:
+        replicated, sharded, stats = 4.0, 2 + 2 * kv + 2 * ffn, 4 * s * b * 4
+    masks = 2 * sbh if dropout else 0
+    if attention == "flash" or recompute == "selective":
+        scores = 0.0 if attention == "eager" else 4 * spec.heads * s * b / t  # float32 log-sum-exp per query, head
+    else:
+        per_score = act_bytes + ((1 + act_bytes) if dropout else 0)
+        scores = per_score * spec.heads * s * s * b / t
+    if attention == "eager":
+        stats = 0.0  # Korthikanti et al. count no norm statistics; with eager scores they are < 0.1%
+    return (act_bytes * replicated * sbh + masks + stats) / split + act_bytes * sharded * sbh / t + scores
+
+
+def in_flight_microbatches(schedule: str, pipeline_parallel_size: int, num_microbatches: int, virtual: int = 1,
+                           stage: int = 0) -> float:  # fmt: skip
+    """Micro-batches whose activations pipeline rank ``stage`` holds at its peak, in units of all its blocks.
+
+    GPipe runs every forward first (``m``); 1F1B keeps ``p - stage`` (at most ``m``); the interleaved schedules keep
+    Megatron's warm-up count of model chunks, ``2(p - 1 - stage) + (v - 1)p + 1``, each ``1/v`` of the rank's
+    blocks; zero-bubble V keeps 1F1B's ``p`` (Qi et al. 2024). Without pipeline parallel, one.
+
+    Example:
+        >>> in_flight_microbatches("1f1b", 4, 16), in_flight_microbatches("gpipe", 4, 16)
+        (4, 16)
+        >>> in_flight_microbatches("interleaved_1f1b", 4, 16, virtual=2)
+        5.5
+    """
+    p, m, v = pipeline_parallel_size, num_microbatches, virtual
+    if p == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and v > 1:
+        return min(m * v, 2 * (p - 1 - stage) + (v - 1) * p + 1) / v
+    return min(m, p - stage)
+
+
+def stage_activation_bytes(
+    spec: ModelSpec,
+    micro_batch: int,
+    blocks: float,
+    *,
+    first: bool,
+    last: bool,
+    act_bytes: int = 2,
+    tensor_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = True,
+    recompute: Recompute = "none",
+    attention: Attention = "flash",
+    dropout: bool = False,
+) -> dict[str, float]:
+    """Bytes one micro-batch saves on one stage holding ``blocks`` blocks: ``blocks``, ``inputs`` (token ids,
+    position ids/rotary tables on the first stage), ``outputs`` (the final norm on the last stage) and ``logits``
+    (the head's output the loss keeps, split over the vocabulary under vocab-parallel tensor parallel)."""
+    s, b, h, t = spec.seq, micro_batch, spec.hidden, tensor_parallel_size
+    split = t if sequence_parallel else 1
+    per_block = block_bytes(spec, b, act_bytes=act_bytes, tensor_parallel_size=t, sequence_parallel=sequence_parallel,
+                            recompute=recompute, attention=attention, dropout=dropout)  # fmt: skip
+    inputs = outputs = logits = 0.0
+    if first:
+        inputs = 8 * s * b  # int64 token ids (the embedding's backward)
+        if spec.position_embeddings:
+            inputs += 8 * s
+        if spec.family == "llama":
+            inputs += 2 * act_bytes * s * spec.head_dim  # rotary cos and sin, shared by every block
+    if last:
+        norm = 3 if spec.family == "llama" else 2
+        stats = (1 if spec.family == "llama" else 2) * 4 * s * b
+        outputs = (act_bytes * norm * s * b * h + stats) / split
+        vocab = spec.vocab / (t if vocab_parallel else 1)
+        logits = act_bytes * s * b * vocab + 8 * s * b + 4  # log-softmax output, targets, the loss
+    return {"blocks": per_block * blocks, "inputs": inputs, "outputs": outputs, "logits": logits}

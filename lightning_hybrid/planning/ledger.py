@@ -1,0 +1,272 @@
+"""Model-state memory per device: parameters, gradients, fp32 master weights and optimizer state, for every ZeRO
+stage under tensor and pipeline parallel; and the ledger that adds activations and temporary buffers to them.
+
+Two forms: :func:`state_bytes_per_parameter` (bytes per parameter a rank holds, for planning from sizes) and
+:func:`predict_model_state_bytes` (per rank, parameter by parameter, from a module built on the meta device: what
+``HybridStrategy.model_state_bytes`` measures, to the byte).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from lightning_hybrid.config import HybridConfigError
+
+__all__ = ["PRECISION_BYTES", "Ledger", "predict_model_state_bytes", "state_bytes_per_parameter"]
+
+# precision -> (parameter, gradient, fp32 master, activation) bytes. Lightning's names are what HybridStrategy holds:
+# '-mixed' keeps fp32 parameters and gradients (autocast casts on the fly); '-true' keeps 2-byte parameters, fp32
+# master weights in the optimizer and accumulates gradients in fp32 (Megatron's main_grad). "bf16"/"fp16" is the
+# mixed precision of the ZeRO paper and of the seeds' arithmetic: 2-byte parameters and gradients, fp32 master.
+PRECISION_BYTES: dict[str, tuple[int, int, int, int]] = {
+    "32-true": (4, 4, 0, 4),
+    "32": (4, 4, 0, 4),
+    "bf16-mixed": (4, 4, 0, 2),
+    "16-mixed": (4, 4, 0, 2),
+    "bf16-true": (2, 4, 4, 2),
+    "16-true": (2, 4, 4, 2),
+    "bf16": (2, 2, 4, 2),
+    "fp16": (2, 2, 4, 2),
+}
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 1, "sgd-momentum": 1, "sgd-nomomentum": 0}
+_STRATEGY_PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+def _check(precision: str, optimizer: str) -> None:
+    if precision not in PRECISION_BYTES:
+        raise HybridConfigError(f"`precision={precision!r}` is not one of {sorted(PRECISION_BYTES)}.")
+    if optimizer.lower() not in OPTIMIZER_STATES:
+        raise HybridConfigError(f"`optimizer={optimizer!r}` is not one of {sorted(OPTIMIZER_STATES)}.")
+
+
+def state_bytes_per_parameter(
+    precision: str, optimizer: str, zero_stage: int, data_parallel_size: int
+) -> dict[str, float]:
+    """Bytes per (tensor- and pipeline-local) parameter a rank holds, by kind.
+
+    ZeRO-1 shards the master and the optimizer state over the data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3
+    also the parameters. The strategy's ZeRO-3 steps fp32 shards directly, so under '-true' precisions those shards
+    are the master weights (no separate copy).
+
+    Example (the seeds' LLaMA-7B, Adam, bf16: 2 + 2 + 12 = 16 bytes per parameter):
+        >>> state_bytes_per_parameter("bf16", "adam", 0, 1)
+        {'parameters': 2, 'gradients': 2, 'master': 4, 'optimizer': 8}
+        >>> sum(state_bytes_per_parameter("bf16", "adam", 3, 8).values())
+        2.0
+    """
+    _check(precision, optimizer)
+    p, g, m, _ = PRECISION_BYTES[precision]
+    opt = 4 * OPTIMIZER_STATES[optimizer.lower()]
+    d = data_parallel_size
+    if zero_stage == 3 and precision in _STRATEGY_PRECISIONS:
+        return {"parameters": 4 / d, "gradients": 4 / d, "master": 0, "optimizer": opt / d}
+    if zero_stage >= 1 and precision in _STRATEGY_PRECISIONS and m == 0:
+        m = 4  # the strategy's ZeRO-1/2 step a flat fp32 copy of the rank's shard (as DeepSpeed does)
+    return {
+        "parameters": p / d if zero_stage >= 3 else p,
+        "gradients": g / d if zero_stage >= 2 else g,
+        "master": m / d if zero_stage >= 1 else m,
+        "optimizer": opt / d if zero_stage >= 1 else opt,
+    }
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Bytes on the most loaded device of a layout."""
+
+    parameters: float
+    gradients: float
+    master: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def peak(self) -> float:
+        return self.parameters + self.gradients + self.master + self.optimizer + self.activations + self.buffers
+
+    @property
+    def model_state(self) -> float:
+        return self.parameters + self.gradients + self.master + self.optimizer
+
+    def as_dict(self) -> dict[str, float]:
+        return {**{k: float(v) for k, v in asdict(self).items()}, "peak": float(self.peak)}
+
+
+# ---------------------------------------------------------------------- exact, per parameter, from a (meta) module
+def _chunk(n: int, parts: int, index: int) -> int:
+    """Length of piece ``index`` of ``n`` split into ``parts`` as ``torch.chunk`` (DTensor's Shard, FSDP2) does."""
+    size = -(-n // parts)
+    return max(0, min(n, (index + 1) * size) - index * size)
+
+
+def _tensor_parallel_shape(shape: list[int], style: Any, module: nn.Module, leaf: str, t: int, r: int) -> list[int]:
+    """The local shape of a parameter on tensor-parallel rank ``r`` under ``style`` (torch's styles and ours)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_hybrid.tensor_parallel.plan import FusedColwiseParallel
+
+    shape = list(shape)
+    if style is None or t == 1:
+        return shape
+    if isinstance(style, FusedColwiseParallel):  # each of k blocks of dim 0 split t ways
+        k = style.num_blocks
+        shape[0] = k * _chunk(shape[0] // k, t, r)
+        return shape
+    dim = None
+    if isinstance(style, ColwiseParallel):
+        dim = 1 if isinstance(module, nn.Embedding) else 0
+    elif isinstance(style, RowwiseParallel):
+        dim = 0 if isinstance(module, nn.Embedding) else (1 if leaf == "weight" else None)
+    if dim is not None and dim < len(shape):
+        shape[dim] = _chunk(shape[dim], t, r)
+    return shape
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _optimizer_groups(module: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameter groups of ``configure_optimizers()`` (an optimizer, a list, or Lightning's dict forms)."""
+    from torch.optim import Optimizer
+
+    configured: Any = module.configure_optimizers() if hasattr(module, "configure_optimizers") else None
+    if isinstance(configured, dict):
+        configured = configured["optimizer"]
+    if isinstance(configured, (list, tuple)):
+        configured = configured[0]
+        if isinstance(configured, (list, tuple)):
+            configured = configured[0]
+        if isinstance(configured, dict):
+            configured = configured["optimizer"]
+    if not isinstance(configured, Optimizer):
+        return [[p for p in module.parameters()]]
+    return [list(g["params"]) for g in configured.param_groups]
+
+
+def predict_model_state_bytes(
+    module: nn.Module,
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    zero_stage: int = 1,
+    precision: str = "32-true",
+    tensor_parallel_plan: Any = "auto",
+    vocab_parallel_loss: bool = True,
+    transformer_blocks: Optional[str] = None,
+    pipeline_partition: Any = "uniform",
+    virtual_pipeline_size: int = 1,
+    pipeline_schedule: str = "1f1b",
+    overlap_grad_reduce: bool = True,
+) -> list[dict[str, int]]:
+    """What ``HybridStrategy.model_state_bytes`` will measure on each global rank, from the module alone.
+
+    ``module`` is the LightningModule (built on the meta device, or any device: it is not changed). Parameters are
+    split as the strategy splits them: the tensor-parallel plan it would build (each style's split dimension, with
+    ``torch.chunk``'s uneven pieces), the pipeline stages it would cut (``split_network`` on a copy), the optimizer's
+    parameter groups from ``configure_optimizers()`` flattened and padded to a multiple of the data-parallel size
+    (ZeRO-1/2), or each parameter chunked over the data-parallel ranks (FSDP2, ZeRO-3). Tied weights across pipeline
+    stages are not modelled.
+
+    Example:
+        >>> import torch
+        >>> from examples.nanogpt import NanoGPT
+        >>> with torch.device("meta"):
+        ...     module = NanoGPT(n_layer=2, n_embd=32)
+        >>> [r["total"] for r in predict_model_state_bytes(module, data_parallel_size=2, zero_stage=3)]
+        [285696, 285696]
+    """
+    import torch
+
+    from lightning_hybrid.pipeline.partition import partition_blocks
+    from lightning_hybrid.pipeline.stage import split_network
+    from lightning_hybrid.structure import find_model_structure
+    from lightning_hybrid.tensor_parallel.plan import build_tensor_parallel_plan
+
+    t, p, d = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+    low = precision in ("bf16-true", "16-true")
+    structure = find_model_structure(module, transformer_blocks)
+    plan = build_tensor_parallel_plan(module, structure, tensor_parallel_plan, vocab_parallel_loss=vocab_parallel_loss)
+    styles = plan.styles if t > 1 else {}
+    by_rank: dict[int, dict[str, int]] = {}
+    for pr in range(p):
+        held = module
+        if p > 1:
+            held = copy.deepcopy(module)
+            network_name = structure.network_name
+            network = held.get_submodule(network_name) if network_name else held
+            prefix = f"{network_name}." if network_name else ""
+            stage_plan = partition_blocks(
+                structure.num_blocks, p, virtual_pipeline_size, pipeline_partition,
+                owner_style="v" if pipeline_schedule == "zbv_zero_bubble" else "loop",
+            )  # fmt: skip
+            split_network(network, structure.blocks_name[len(prefix) :], stage_plan, pr)
+        names = {id(q): n for n, q in held.named_parameters()}
+        modules = dict(held.named_modules())
+        with torch.device("meta"):
+            groups = [[q for q in g if q.requires_grad] for g in _optimizer_groups(held)]
+
+        def local_shape(q: nn.Parameter, tr: int, names: dict = names, modules: dict = modules) -> list[int]:
+            mod_name, _, leaf = names[id(q)].rpartition(".")
+            return _tensor_parallel_shape(list(q.shape), styles.get(mod_name), modules[mod_name], leaf, t, tr)
+
+        unique = list({id(q): q for q in held.parameters()}.values())
+        for tr in range(t):
+            for dr in range(d):
+                rank = pr * d * t + dr * t + tr
+                by_rank[rank] = _rank_bytes(unique, groups, local_shape, tr, dr, zero_stage, d, p, low, styles,
+                                            names, overlap_grad_reduce)  # fmt: skip
+    return [by_rank[r] for r in range(t * p * d)]
+
+
+def _rank_bytes(params, groups, local_shape, tr, dr, zero, d, p, low, styles, names, overlap) -> dict[str, int]:  # noqa: ANN001
+    from lightning_hybrid.tensor_parallel.plan import FusedColwiseParallel
+
+    states = 2  # Adam/AdamW: exp_avg and exp_avg_sq (the step count is a scalar, not counted)
+    if zero == 3:
+        total_p = total_g = total_s = 0
+        for q in params:
+            shape = local_shape(q, tr)
+            strided = isinstance(styles.get(names[id(q)].rpartition(".")[0]), FusedColwiseParallel)
+            if strided and len(shape) < 2:  # fused tensor-parallel biases: left out of FSDP2, replicated
+                n = _numel(shape)
+            else:
+                dim = 1 if strided else 0  # fused weights: FSDP2 shards them on dim 1 (sharding/zero.py)
+                shape[dim] = _chunk(shape[dim], d, dr)
+                n = _numel(shape)
+            total_p += 4 * n
+            if q.requires_grad:
+                total_g += 4 * n
+                total_s += 4 * states * n
+        return {"parameters": total_p, "gradients": total_g, "optimizer_state": total_s,
+                "total": total_p + total_g + total_s}  # fmt: skip
+    param_bytes = 2 if low else 4
+    parameters = sum(param_bytes * _numel(local_shape(q, tr)) for q in params)
+    uses_masters = zero >= 1 or low
+    gradients = state = 0
+    buckets = zero == 0 and not uses_masters and d > 1 and p == 1 and overlap
+    for group in groups:
+        numel = sum(_numel(local_shape(q, tr)) for q in group)
+        shard = -(-numel // d) if zero >= 1 else numel
+        padded = shard * d if zero >= 1 else shard
+        if uses_masters and group:
+            state += 4 * shard * (states + 1)  # the fp32 master of the shard and its optimizer state
+        else:
+            state += 4 * states * numel
+        if buckets or not uses_masters:
+            gradients += 4 * numel
+        elif zero == 2:
+            gradients += 4 * shard  # only the reduce-scattered shard stays
+        else:
+            gradients += 4 * padded  # ZeRO-1 keeps the full flat (padded) buffer until the step; '-true' at 0 too
+    return {"parameters": parameters, "gradients": gradients, "optimizer_state": state,
+            "total": parameters + gradients + state}  # fmt: skip

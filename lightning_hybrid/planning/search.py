@@ -1,0 +1,240 @@
+"""Candidate layouts, their ledgers and step times, the verdict on each, and the seeds' decision rules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lightning_hybrid.planning.activations import block_bytes, in_flight_microbatches, stage_activation_bytes
+from lightning_hybrid.planning.hardware import GB, Hardware
+from lightning_hybrid.planning.ledger import PRECISION_BYTES, Ledger, state_bytes_per_parameter
+from lightning_hybrid.planning.model import ModelSpec
+from lightning_hybrid.planning.steptime import StepTime, estimate_step_time
+
+__all__ = ["Candidate", "Evaluated", "Setup", "decision_rule", "evaluate", "rank", "search"]
+
+RECOMPUTES = ("none", "selective", "full")
+BUCKET_BYTES = 25 * 2**20  # the strategy's default bucket_cap_mb
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The training set-up shared by every candidate."""
+
+    micro_batch: int = 1
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    attention: str = "flash"
+    dropout: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    mfu: float = 0.4
+    sequence_parallel: bool = True
+    """Under tensor parallel, whether the norms' activations are split too (Megatron-SP; the strategy's
+    ``sequence_parallel``)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    zero_stage: int
+    num_microbatches: int
+    recompute: str
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    def describe(self) -> str:
+        return (f"tp{self.tensor_parallel_size} x pp{self.pipeline_parallel_size} x dp{self.data_parallel_size}"
+                f" zero{self.zero_stage} m{self.num_microbatches} {self.recompute}")  # fmt: skip
+
+
+@dataclass
+class Evaluated:
+    candidate: Candidate
+    ledger: Ledger
+    step: Optional[StepTime]
+    feasible: bool
+    reason: str
+    tokens: int
+    rule: bool = False
+    details: dict = field(default_factory=dict)
+
+    @property
+    def step_time(self) -> Optional[float]:
+        return self.step.total if self.step is not None else None
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.step.total / self.tokens if self.step is not None and self.tokens else math.inf
+
+
+def _stage_ledger(spec: ModelSpec, setup: Setup, c: Candidate, first: bool, last: bool) -> tuple[Ledger, dict]:
+    t, p, d = c.tensor_parallel_size, c.pipeline_parallel_size, c.data_parallel_size
+    blocks = math.ceil(spec.layers / p)
+    numel = blocks * spec.layer_params / t
+    if first:
+        numel += spec.embedding_params / t
+    if last:
+        numel += spec.head_params / t
+    per = state_bytes_per_parameter(setup.precision, setup.optimizer, c.zero_stage, d)
+    act_bytes = PRECISION_BYTES[setup.precision][3]
+    sp = t > 1 and setup.sequence_parallel
+    stage = 0 if first else p - 1
+    flight = in_flight_microbatches(c.schedule, p, c.num_microbatches, c.virtual_stages, stage)
+    acts = stage_activation_bytes(spec, setup.micro_batch, blocks, first=first, last=last, act_bytes=act_bytes,
+                                  tensor_parallel_size=t, sequence_parallel=sp, recompute=c.recompute,
+                                  attention=setup.attention, dropout=setup.dropout)  # fmt: skip
+    activations = flight * (acts["blocks"] + acts["inputs"] + acts["outputs"])
+    buffers = {"logits": acts["logits"] * (c.num_microbatches if c.schedule == "gpipe" and p > 1 else 1)}
+    if c.recompute == "full":  # backward recomputes one block at a time: its full activations exist meanwhile
+        buffers["recompute"] = block_bytes(
+            spec,
+            setup.micro_batch,
+            act_bytes=act_bytes,
+            tensor_parallel_size=t,
+            sequence_parallel=sp,
+            attention=setup.attention,
+            dropout=setup.dropout,
+        )
+    if c.zero_stage == 3 and d > 1:
+        # FSDP2 gathers a block (and prefetches the next); under pipeline parallel the stage's blocks stay gathered
+        gathered = blocks if p > 1 else 2
+        buffers["zero3_gather"] = gathered * spec.layer_params / t * act_bytes * (d - 1) / d
+    if d > 1 and c.zero_stage in (1, 2, 3):
+        buffers["buckets"] = 2 * BUCKET_BYTES
+    ledger = Ledger(per["parameters"] * numel, per["gradients"] * numel, per["master"] * numel,
+                    per["optimizer"] * numel, activations, sum(buffers.values()))  # fmt: skip
+    return ledger, {"buffers": buffers, "in_flight": flight, "numel": numel}
+
+
+def _structural_reason(spec: ModelSpec, hw: Hardware, c: Candidate) -> Optional[str]:
+    t, p = c.tensor_parallel_size, c.pipeline_parallel_size
+    if t > hw.devices_per_node:
+        return f"tensor_parallel_size={t} exceeds the {hw.devices_per_node} devices of a node"
+    if spec.heads % t or spec.kv % t:
+        return f"tensor_parallel_size={t} does not divide heads={spec.heads} / kv_heads={spec.kv}"
+    if spec.layers < p * c.virtual_stages:
+        return f"{spec.layers} layers cannot fill {p * c.virtual_stages} pipeline stages"
+    if p > 1 and c.schedule != "gpipe" and c.num_microbatches < p:
+        return f"num_microbatches={c.num_microbatches} < pipeline_parallel_size={p}"
+    return None
+
+
+def _gb(x: float) -> str:
+    """Decimal GB, or MB/KB for the tiny models of tests and examples."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("KB", 1e3)):
+        if abs(x) >= 0.1 * size:
+            return f"{x / size:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evaluated:
+    """The ledger of the most loaded device (first or last stage), the step time and the verdict."""
+    p = c.pipeline_parallel_size
+    stages = [(True, True)] if p == 1 else [(True, False), (False, True)]
+    ledgers = [_stage_ledger(spec, setup, c, first, last) for first, last in stages]
+    ledger, details = max(ledgers, key=lambda x: x[0].peak)
+    tokens = c.data_parallel_size * c.num_microbatches * setup.micro_batch * spec.seq
+    structural = _structural_reason(spec, hw, c)
+    if structural:
+        return Evaluated(c, ledger, None, False, structural, tokens, details=details)
+    grad_bytes = PRECISION_BYTES[setup.precision][1]
+    step = estimate_step_time(spec, hw, tensor_parallel_size=c.tensor_parallel_size, pipeline_parallel_size=p,
+                              data_parallel_size=c.data_parallel_size, zero_stage=c.zero_stage,
+                              micro_batch=setup.micro_batch, num_microbatches=c.num_microbatches,
+                              grad_bytes=grad_bytes, act_bytes=PRECISION_BYTES[setup.precision][3],
+                              schedule=c.schedule, virtual=c.virtual_stages, recompute=c.recompute,
+                              mfu=setup.mfu)  # fmt: skip
+    limit = f"{_gb(hw.device_memory).replace('.0 ', ' ')} x {hw.usable_fraction:g}"
+    if ledger.peak > hw.usable_memory:
+        parts = {
+            "parameters": ledger.parameters,
+            "gradients": ledger.gradients,
+            "master weights": ledger.master,
+            "optimizer state": ledger.optimizer,
+            "activations": ledger.activations,
+            "buffers": ledger.buffers,
+        }
+        terms = " + ".join(
+            f"{k} {_gb(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.005 * ledger.peak
+        )
+        return Evaluated(c, ledger, step, False, f"{terms} = {_gb(ledger.peak)} > {limit}", tokens, details=details)
+    return Evaluated(c, ledger, step, True, f"peak {_gb(ledger.peak)} <= {limit}", tokens, details=details)
+
+
+def _powers_of_two_upto(n: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(n)) + 1) if n % 2**i == 0]
+
+
+def search(
+    spec: ModelSpec,
+    hw: Hardware,
+    setup: Setup,
+    *,
+    tensor_parallel_size: Optional[int] = None,
+    pipeline_parallel_size: Optional[int] = None,
+    data_parallel_size: Optional[int] = None,
+    zero_stage: Optional[int] = None,
+    num_microbatches: Optional[int] = None,
+    recompute: Optional[str] = None,
+) -> list[Evaluated]:
+    """Every layout of the cluster (tensor parallel within a node, any pipeline depth dividing the rest), each given
+    dimension fixed; ranked: feasible layouts by estimated time per token, then the infeasible by peak memory."""
+    world = hw.world_size
+    tps = [tensor_parallel_size] if tensor_parallel_size else _powers_of_two_upto(min(world, hw.devices_per_node))
+    out: list[Evaluated] = []
+    for t in tps:
+        if world % t:
+            continue
+        pps = [pipeline_parallel_size] if pipeline_parallel_size else [q for q in range(1, world // t + 1)
+                                                                        if (world // t) % q == 0]  # fmt: skip
+        for p in pps:
+            if world % (t * p):
+                continue
+            d = world // (t * p)
+            if data_parallel_size and d != data_parallel_size:
+                continue
+            # 4 micro-batches per stage: the 1F1B bubble (p-1)/m under a fifth; 1F1B holds at most p in flight anyway
+            m = num_microbatches or (4 * p if p > 1 else 1)
+            zeros = [zero_stage] if zero_stage is not None else ([0, 1, 2, 3] if d > 1 else [0])
+            for z in zeros:
+                for r in [recompute] if recompute else RECOMPUTES:
+                    c = Candidate(t, p, d, z, m, r, setup.schedule if p > 1 else "1f1b", setup.virtual_stages
+                                  if p > 1 else 1)  # fmt: skip
+                    out.append(evaluate(spec, hw, setup, c))
+    return rank(out)
+
+
+def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
+    return sorted(evaluated, key=lambda e: (not e.feasible, e.seconds_per_token if e.feasible else e.ledger.peak))
+
+
+def decision_rule(evaluated: list[Evaluated], spec: ModelSpec, hw: Hardware) -> tuple[Optional[Evaluated], str]:
+    """The seeds' rules of thumb, applied to the evaluated layouts (least recompute first):
+
+    1. a model that fits on one device gets data parallel;
+    2. a model where one layer fits gets ZeRO-3 (over every device);
+    3. otherwise tensor parallel inside a node, pipeline across nodes, and data parallel over the rest.
+    """
+    by_recompute = {r: [e for e in evaluated if e.candidate.recompute == r] for r in RECOMPUTES}
+    for r in RECOMPUTES:
+        group = by_recompute[r]
+        single = [e for e in group if e.candidate.tensor_parallel_size == e.candidate.pipeline_parallel_size == 1]
+        replicated = [e for e in single if e.candidate.zero_stage == 0 and e.feasible]
+        if replicated:
+            return replicated[0], f"rule 1: the model fits on one device (recompute {r}): data parallel"
+        zero3 = [e for e in single if e.candidate.zero_stage == 3 and e.feasible]
+        if zero3:
+            return zero3[0], f"rule 2: one layer fits, the model does not (recompute {r}): ZeRO-3 over every device"
+        tp = max((e.candidate.tensor_parallel_size for e in group if e.candidate.tensor_parallel_size
+                  <= hw.devices_per_node and not _structural_reason(spec, hw, e.candidate)), default=1)  # fmt: skip
+        rule3 = [e for e in group if e.candidate.tensor_parallel_size == tp and e.feasible
+                 and e.candidate.pipeline_parallel_size >= hw.nodes and e.candidate.zero_stage <= 1]  # fmt: skip
+        if rule3:
+            best = min(rule3, key=lambda e: (e.candidate.pipeline_parallel_size, -e.candidate.zero_stage))
+            return best, (f"rule 3: neither fits (recompute {r}): tensor parallel inside a node, pipeline across"
+                          " nodes, data parallel over the rest")  # fmt: skip
+    return None, "no rule gives a feasible layout"
