@@ -131,9 +131,10 @@ class HybridStrategy(ParallelStrategy):
             the end of training wait for it. The checkpoint appears under its name only once complete, as with
             synchronous saves.
         checkpoint_verify: on load, check every file of the checkpoint against the size and SHA-256 its commit record
-            holds (each rank hashes its share of the files: about 1 s per 0.5 GB on one CPU core), and let
-            ``ckpt_path="last"`` skip a checkpoint that fails for the newest one that passes. ``False`` loads without
-            hashing (sizes are still checked), also checkpoints that have no commit record.
+            holds (each rank hashes its share of the files: about 1-2 s of one core per GB), and let
+            ``ckpt_path="last"`` skip a checkpoint that fails for the newest one in its directory that passes.
+            ``False`` loads without hashing (sizes are still checked), also checkpoints without a commit record.
+            Saves always write the record.
         health_checks: add :class:`~lightning_hybrid.monitoring.HealthChecks` to the Trainer's callbacks (rank-to-device
             map, layout/version agreement and clock skew at start-up; data-parallel replica checksums every 1000
             steps). ``False`` turns them off; a ``HealthChecks(...)`` instance chooses the checks. Not added twice if
