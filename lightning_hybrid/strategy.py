@@ -44,6 +44,7 @@ from lightning_hybrid.checkpoint import (
     LAYOUT_KEY,
     VERSIONS_KEY,
     ShardedCheckpointWriter,
+    checkpoint_to_load,
     full_tensor,
     load_sharded,
     read_meta,
@@ -135,6 +136,11 @@ class HybridStrategy(ParallelStrategy):
             copies this rank's shards to CPU memory and training goes on while they are written; the next save and
             the end of training wait for it. The checkpoint appears under its name only once complete, as with
             synchronous saves.
+        checkpoint_verify: on load, check every file of the checkpoint against the size and SHA-256 its commit record
+            holds (each rank hashes its share of the files: about 1-2 s of one core per GB), and let
+            ``ckpt_path="last"`` skip a checkpoint that fails for the newest one in its directory that passes.
+            ``False`` loads without hashing (sizes are still checked), also checkpoints without a commit record.
+            Saves always write the record.
         health_checks: add :class:`~lightning_hybrid.monitoring.HealthChecks` to the Trainer's callbacks (rank-to-device
             map, layout/version agreement and clock skew at start-up; data-parallel replica checksums every 1000
             steps). ``False`` turns them off; a ``HealthChecks(...)`` instance chooses the checks. Not added twice if
@@ -182,6 +188,7 @@ class HybridStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         async_checkpoint: bool = False,
+        checkpoint_verify: bool = True,
         health_checks: Union[bool, Any] = True,
         monitor: Union[bool, HybridMonitor] = True,
         offload_optimizer: bool = False,
@@ -244,6 +251,7 @@ class HybridStrategy(ParallelStrategy):
         self._timeout = resolve_timeout(timeout)
         self._watchdog: Optional[HangWatchdog] = None
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
+        self._checkpoint_verify = checkpoint_verify
         self._health_checks = health_checks
         if not isinstance(monitor, (bool, HybridMonitor)):
             raise HybridConfigError(
@@ -889,9 +897,7 @@ class HybridStrategy(ParallelStrategy):
         hugging_face = hugging_face_info(self.lightning_module)  # lets `consolidate` write a from_pretrained folder
         if hugging_face is not None:
             checkpoint[HUGGING_FACE_KEY] = hugging_face
-        self._checkpoint_writer.save(
-            path, model_state, optimizer_states, checkpoint, is_rank_zero=self.is_global_zero, barrier=self.barrier
-        )
+        self._checkpoint_writer.save(path, model_state, optimizer_states, checkpoint, is_rank_zero=self.is_global_zero)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -915,6 +921,8 @@ class HybridStrategy(ParallelStrategy):
     def _load_hybrid_checkpoint(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+        # ckpt_path="last" goes past a checkpoint that fails its integrity check (the files are then verified)
+        path, verified = checkpoint_to_load(path, self.lightning_module.trainer, verify=self._checkpoint_verify)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         tied = self._structure.tied_parameters if self._structure is not None else []
         aliases = {**dict(tied), **{b: a for a, b in tied}}
@@ -926,6 +934,7 @@ class HybridStrategy(ParallelStrategy):
             aliases=aliases,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
+            verify=self._checkpoint_verify and not verified,
         )
         saved_dp = read_meta(path, weights_only=weights_only).get(LAYOUT_KEY, {}).get("data_parallel_size")
         if saved_dp is not None and saved_dp != self.layout.data_parallel_size:

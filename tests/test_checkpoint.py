@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
 
+from tests.checkpoint_faults import flip_byte
 from tests.conftest import launch, relative_error, share
 from tests.harness import run_reference
 
@@ -124,10 +125,10 @@ LLAMA = {"name": "llama-tp2", "model": "llama", "model_kwargs": {}, "strategy": 
          "callbacks": [{"kind": "ModelCheckpoint", "every_n_train_steps": 2, "save_top_k": -1}]}  # fmt: skip
 
 
-def _saver(directory: Path) -> dict[str, Any]:
-    # top-1 (the older one is removed at each save) plus last.ckpt, every 2 steps
-    return {"kind": "ModelCheckpoint", "dirpath": str(directory), "every_n_train_steps": 2, "save_top_k": 1,
-            "save_last": True}  # fmt: skip
+def _saver(directory: Optional[Path]) -> dict[str, Any]:
+    # top-1 (the older one is removed at each save) plus last.ckpt, every 2 steps (None: in the scenario's directory)
+    saver = {"kind": "ModelCheckpoint", "every_n_train_steps": 2, "save_top_k": 1, "save_last": True}
+    return {**saver, "dirpath": str(directory)} if directory is not None else saver
 
 
 @pytest.fixture(scope="module")
@@ -154,15 +155,22 @@ def safety(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "visible": sorted(p.name for p in directory.glob("*.ckpt")),
     }
     damaged = {}
-    for kind in ("missing-shard", "truncated"):
+    for kind in ("missing-shard", "truncated", "flipped"):
         damaged[kind] = root / f"{kind}.ckpt"
         shutil.copytree(directory / "epoch=0-step=4.ckpt", damaged[kind])
     (damaged["missing-shard"] / "__1_0.distcp").unlink()
     shard = damaged["truncated"] / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    flip_byte(damaged["flipped"] / "__1_0.distcp")  # in the middle of rank 1's shard
+    # the same directory with one byte of last.ckpt flipped: ckpt_path="last" must resume from step=4 (the newest
+    # valid one; copytree keeps the modification times)
+    corrupt_last = root / "corrupt-last"
+    shutil.copytree(directory, corrupt_last)
+    flip_byte(corrupt_last / "last.ckpt" / "__0_0.distcp")
     scenarios = [
         _dp2("error-missing-shard", resume_from=str(damaged["missing-shard"]), expect_error=True),
         _dp2("error-truncated", resume_from=str(damaged["truncated"]), expect_error=True),
+        _dp2("error-flipped", resume_from=str(damaged["flipped"]), expect_error=True),
         _dp2(
             "error-hidden-size",
             resume_from=str(directory / "epoch=0-step=4.ckpt"),
@@ -170,6 +178,9 @@ def safety(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             expect_error=True,
         ),
         _dp2("resume-last", resume_from="last", callbacks=[_saver(directory)]),
+        _dp2("resume-last-past-corrupt", resume_from="last", callbacks=[_saver(corrupt_last)]),
+        # saves last.ckpt at step 2, then each save of it after the fit meets a full disk on one rank
+        _dp2("disk-full", steps=3, callbacks=[_saver(None)], after_fit="tests.checkpoint_faults:disk_full_matrix"),
         _dp2("async-resume", strategy={"zero_stage": 1, "async_checkpoint": True}, resume_after=3),
         # a persistent buffer that holds each rank's rank, on two tensor-parallel peers (copies of one replica, which
         # must agree; data-parallel replicas' buffers are saved from the first replica): the save must refuse
@@ -224,11 +235,46 @@ def test_killed_save_leaves_previous_checkpoint_and_last_intact(safety: dict[str
 
 
 @pytest.mark.timeout(900)
+def test_last_resumes_from_the_newest_valid_checkpoint(safety: dict[str, Any]) -> None:
+    """``last.ckpt`` (step 2) has a flipped byte: ``ckpt_path="last"`` resumes from the newest checkpoint that passes
+    its integrity check, ``epoch=0-step=4.ckpt``, and continues exactly as an uninterrupted run."""
+    _assert_continues_reference(safety["group"].get("resume-last-past-corrupt"), safety["reference"], start=4)
+
+
+@pytest.mark.timeout(900)
+def test_a_full_disk_during_a_save_fails_on_every_rank_and_commits_nothing(safety: dict[str, Any]) -> None:
+    """After a fit that saved ``last.ckpt`` at step 2 (of 3), saves of ``last.ckpt`` meet a full disk on one rank
+    (synchronous: in rank 1's shard, rank 0's meta.pt, rank 0's commit record; asynchronous: in rank 1's shard, in
+    rank 0's final rename). Every rank raises the same error, naming the rank and the ``OSError``, within seconds;
+    ``last.ckpt`` stays the step-2 checkpoint, whole and picked by ``ckpt_path="last"``; no partial directory stays."""
+    from tests.checkpoint_faults import MATRIX
+
+    result = safety["group"].get("disk-full")["after_fit"]
+    per_rank = result["per_rank"]
+    assert len(per_rank) == 2
+    for rank, outcome in enumerate(per_rank):
+        assert [(r["mode"], r["point"], r["rank"]) for r in outcome["records"]] == MATRIX
+        for record in outcome["records"]:
+            where = f"{record['mode']} save, full disk at {record['point']} on rank {record['rank']}"
+            error = record["error"] or ""
+            heading = f"CheckpointError: Saving checkpoint {result['last']} failed (the disk is full):"
+            assert error.startswith(heading), f"rank {rank}, {where}: {error or 'no error'}"
+            assert f"rank {record['rank']}: OSError: [Errno 28] No space left on device" in error, (rank, where, error)
+            assert record["seconds"] < 60, f"rank {rank} took {record['seconds']:.0f} s to report a {where}"
+        assert outcome["step_before"] == outcome["step_after"] == 2 and outcome["global_step"] == 3
+        assert outcome["record_unchanged"] and outcome["problems"] == [], outcome
+        assert outcome["chosen"] == result["last"]
+        assert outcome["left"] == ["epoch=0-step=2.ckpt", "last.ckpt"], outcome["left"]
+    assert [r["error"] for r in per_rank[0]["records"]] == [r["error"] for r in per_rank[1]["records"]]
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("name", "match"),
     [
-        ("error-missing-shard", r"shard file __1_0\.distcp is missing"),
-        ("error-truncated", r"shard file __0_0\.distcp is truncated"),
+        ("error-missing-shard", r"file __1_0\.distcp is missing"),
+        ("error-truncated", r"file __0_0\.distcp is truncated"),
+        ("error-flipped", r"file __1_0\.distcp is corrupt: its sha256 is"),
         ("error-hidden-size", r"`model\.wte\.weight`: the checkpoint holds shape \[128, 32\], the model \[128, 64\]"),
     ],
 )

@@ -54,8 +54,8 @@ def test_meta_file_that_would_run_code_is_refused(tmp_path: Path) -> None:
     torch.save({"global_step": 1, "payload": _CreatesFile(target)}, path / META_FILENAME)
     with pytest.raises(CheckpointError, match=r"meta.pt holds objects .*weights_only=False"):
         read_meta(path)
-    with pytest.raises(CheckpointError):
-        consolidate(path, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="only a full unpickle"):  # verify=False: past the hash check
+        consolidate(path, tmp_path / "out", verify=False)
     assert not target.exists(), "loading ran the code stored in meta.pt"
     read_meta(path, weights_only=False)  # the payload is live: a full unpickle (trusted checkpoints only) runs it
     assert target.exists()
@@ -68,8 +68,8 @@ def test_dcp_index_that_would_run_code_is_refused(tmp_path: Path) -> None:
         pickle.dump(_CreatesFile(target), f)
     with pytest.raises(CheckpointError, match=r"index .metadata is not a plain DCP index .*posix.mkdir"):
         SafeFileSystemReader(str(path)).read_metadata()
-    with pytest.raises(CheckpointError):
-        consolidate(path, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="not a plain DCP index"):  # verify=False: past the hash check
+        consolidate(path, tmp_path / "out", verify=False)
     assert not target.exists(), "loading ran the code stored in .metadata"
     with pytest.raises(AttributeError):  # torch's own reader unpickles it, runs the payload, then finds no index
         FileSystemReader(str(path)).read_metadata()

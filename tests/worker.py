@@ -113,6 +113,12 @@ def run(scenario: dict, out_dir: Path) -> None:
         trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt)
     else:
         trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
+    after_fit = None
+    if scenario.get("after_fit"):  # "module:function", called on every rank as function(trainer, directory)
+        import importlib
+
+        module_name, function = scenario["after_fit"].split(":")
+        after_fit = getattr(importlib.import_module(module_name), function)(trainer, out_dir / scenario["name"])
     predictions = None
     if scenario.get("predict"):
         subset = torch.utils.data.Subset(make_dataset(), range(8))
@@ -141,6 +147,7 @@ def run(scenario: dict, out_dir: Path) -> None:
         "local_numel": _tensor_parallel_local_numel(module),
         "sampler": _sampler_record(trainer),
         "collectives": counter.per_step if counter is not None else None,
+        "after_fit": after_fit,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "val_history": val_history,
         "logged_columns": _logged_columns(out_dir / scenario["name"]),

@@ -24,6 +24,7 @@ from lightning_hybrid.checkpoint.format import (
     check_shard_files,
     read_meta,
 )
+from lightning_hybrid.checkpoint.integrity import integrity_problems
 
 __all__ = ["NATURAL_SHAPE_PREFIX", "consolidate"]
 
@@ -103,6 +104,7 @@ def consolidate(
     *,
     dtype: Optional[torch.dtype] = None,
     buffer_bytes: int = 256 * 2**20,
+    verify: bool = True,
 ) -> Path:
     """Write the full model weights of a lightning-hybrid checkpoint directory as ``output/model.safetensors``.
 
@@ -110,14 +112,16 @@ def consolidate(
     loads them into the single-device module. If the module held a Hugging Face model, the file holds that model's
     own keys instead and ``output`` also gets its ``config.json``: ``AutoModelForCausalLM.from_pretrained(output)``.
     ``dtype`` converts floating-point tensors (default: as saved). Reads at most ``buffer_bytes`` of tensors at a time
-    (or one tensor, if larger). Needs no process group. Returns ``output``.
+    (or one tensor, if larger). Needs no process group. Returns ``output``. First checks every file of the checkpoint
+    against the size and hash its commit record holds, and raises :class:`CheckpointError` naming any that differs;
+    ``verify=False`` skips the hashing (and accepts a checkpoint without a commit record).
 
     Example:
         >>> # consolidate("checkpoints/last.ckpt", "export")  # export/model.safetensors
         >>> # module.load_state_dict(safetensors.torch.load_file("export/model.safetensors"))
     """
     source, output = Path(checkpoint), Path(output)
-    problems = check_files(source)
+    problems = check_files(source) or integrity_problems(source, verify=verify)  # before unpickling the index
     metadata = SafeFileSystemReader(str(source)).read_metadata() if not problems else None
     problems = problems or check_shard_files(source, metadata)
     if problems:
@@ -193,10 +197,19 @@ def main(argv: Optional[list[str]] = None) -> Path:
     parser.add_argument("checkpoint", help="a checkpoint directory written by HybridStrategy (e.g. last.ckpt)")
     parser.add_argument("output", help="output directory")
     parser.add_argument("--dtype", default=None, help="convert floating-point weights, e.g. bfloat16")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip checking every file's hash against the checkpoint's commit record (faster; also reads a checkpoint"
+        " without one)",
+    )
     options = parser.parse_args(argv)
     dtype = getattr(torch, options.dtype, None) if options.dtype else None
     if dtype is not None and not isinstance(dtype, torch.dtype):
         parser.error(f"--dtype {options.dtype!r} is not a torch dtype (e.g. float32, bfloat16, float16)")
-    out = consolidate(options.checkpoint, options.output, dtype=dtype)
+    try:
+        out = consolidate(options.checkpoint, options.output, dtype=dtype, verify=not options.no_verify)
+    except CheckpointError as error:  # a damaged or incomplete checkpoint: the message, not a traceback
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
     print(f"wrote {out / 'model.safetensors'}")
     return out

@@ -188,6 +188,7 @@ def convert_deepspeed_checkpoint(src: Any, dst: Any, names: Optional[Iterable[st
     import torch.distributed.checkpoint as dcp
 
     from lightning_hybrid.checkpoint.consolidate import natural_shape_entries
+    from lightning_hybrid.checkpoint.integrity import file_digest, write_commit_record
     from lightning_hybrid.checkpoint.io import OPTIMIZER_HYPERPARAMETERS_KEY, VERSIONS_KEY, flatten_state
     from lightning_hybrid.checkpoint.tensors import dcp_ready
 
@@ -210,6 +211,9 @@ def convert_deepspeed_checkpoint(src: Any, dst: Any, names: Optional[Iterable[st
     staging.mkdir(parents=True)
     torch.save(meta, staging / META_FILENAME)
     dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(staging)), no_dist=True)
+    # the commit record last, as every save writes it: loads check each file against it
+    files = {f.name: list(file_digest(f)) for f in sorted(staging.iterdir()) if f.is_file()}
+    write_commit_record(staging, files)
     if dst.exists():
         shutil.rmtree(dst)
     os.replace(staging, dst)
