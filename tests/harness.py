@@ -60,6 +60,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
 
         module = build_pipeline_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
     if module is None:
+        from tests.foreign_models import build_foreign_module
+
+        module = build_foreign_module(model, **kwargs)
+    if module is None:
         raise ValueError(model)
     return module
 
