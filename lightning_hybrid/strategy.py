@@ -57,6 +57,7 @@ from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blo
 from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.pipeline.shared import SharedParameters, find_shared_parameters
 from lightning_hybrid.pipeline.stage import InputStub
+from lightning_hybrid.pipeline.verify import check_verify_pipeline, make_verifier
 from lightning_hybrid.precision import PRECISIONS, HybridPrecision
 from lightning_hybrid.sharding import (
     GradientSync,
@@ -111,6 +112,10 @@ class HybridStrategy(ParallelStrategy):
         virtual_pipeline_size: stages per rank for the interleaved and zero-bubble schedules.
         pipeline_partition: ``"uniform"``, ``"parameters"``, ``"profile"`` or block counts per stage.
         pipeline_network: name of the module ``training_step`` calls, if not the one owning the block list.
+        verify_pipeline: on the first batch, compare the pipelined loss and gradient norm of one micro-batch with an
+            unsplit forward of a copy of the network on one rank, and refuse the run on a mismatch. ``"auto"``: on
+            for fp32 models of at most 100M parameters; ``True``: always; ``False``: off (the structural checks of
+            the first step still run). See docs/pipeline.md.
         zero3_gradient_sync: ZeRO-3 under pipeline parallel: ``"per_step"`` keeps each stage's gradients unsharded
             across micro-batches and reduce-scatters once per step (more memory, less communication);
             ``"per_microbatch"`` reduce-scatters and frees them after every micro-batch's backward.
@@ -163,6 +168,7 @@ class HybridStrategy(ParallelStrategy):
         virtual_pipeline_size: int = 1,
         pipeline_partition: Union[str, list[int]] = "uniform",
         pipeline_network: Optional[str] = None,
+        verify_pipeline: Union[bool, Literal["auto"]] = "auto",
         zero3_gradient_sync: Literal["per_step", "per_microbatch"] = "per_step",
         overlap_grad_reduce: bool = True,
         bucket_cap_mb: float = 25.0,
@@ -209,6 +215,8 @@ class HybridStrategy(ParallelStrategy):
             "pipeline_partition": pipeline_partition,
         }
         self._pipeline_network = pipeline_network
+        check_verify_pipeline(verify_pipeline)
+        self._verify_pipeline = verify_pipeline
         if zero3_gradient_sync not in ("per_step", "per_microbatch"):
             raise HybridConfigError(
                 f"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch', got {zero3_gradient_sync!r}."
@@ -445,6 +453,9 @@ class HybridStrategy(ParallelStrategy):
                     )
         if split is not None:
             self._pipeline = self._build_runner(module, structure, split)
+            if self._verifier is not None:  # within a replica: tensor-parallel and shared-parameter sums
+                self._verifier.sync, self._verifier.duplicates = self.reduce_gradients, lambda: self._tied_duplicates
+                self._pipeline.verifier = self._verifier
             self._tied_sync = self._tied_gradient_sync(module, structure, split)
             if layout.zero_stage == 3:
                 dp_replicated += self._shared.loose  # in no stage's FSDP2 root: averaged over data like those left out
@@ -495,6 +506,15 @@ class HybridStrategy(ParallelStrategy):
                 owner_style="v" if options["pipeline_schedule"] == "zbv_zero_bubble" else "loop",
             )
             pipeline_rank = self.device_mesh["pipeline"].get_local_rank()
+            # before the cut: the reference rank copies the whole network
+            self._verifier = make_verifier(
+                self._verify_pipeline,
+                module,
+                network,
+                self.device_mesh,
+                precision=self.precision_plugin.precision,
+                last_stage_rank=stage_plan.owner[-1],
+            )
             split = split_network(network, blocks_rel, stage_plan, pipeline_rank)
         unit = "seconds" if partition == "profile" else "params"
         rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(unit))
