@@ -63,6 +63,7 @@ from lightning_hybrid.sharding import (
     GradientSync,
     ShardedOptimizer,
     apply_fully_shard,
+    check_user_sharding,
     measure_model_state_bytes,
     sync_batch_norm,
 )
@@ -73,7 +74,7 @@ from lightning_hybrid.tensor_parallel import (
     build_tensor_parallel_plan,
     validate_tensor_parallel_plan,
 )
-from lightning_hybrid.topology import build_device_mesh, format_rank_table, gather_rank_devices
+from lightning_hybrid.topology import build_device_mesh, format_rank_table, gather_rank_devices, with_lightning_names
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -346,7 +347,8 @@ class HybridStrategy(ParallelStrategy):
             # called without an active exception"): its worker threads release tensors, which takes the GIL, and a
             # thread taking the GIL during finalization is ended by pthread_exit. A no-op if already destroyed.
             atexit.register(_destroy_groups_at_exit)
-        self._device_mesh = build_device_mesh(self._layout, self.root_device.type)
+        # also answers to the dimension names of Lightning's ModelParallelStrategy ("data_parallel", ...)
+        self._device_mesh = with_lightning_names(build_device_mesh(self._layout, self.root_device.type))
         self._data_group = self._device_mesh["data"].get_group()  # slicing a mesh builds a new one: once, not per step
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -396,6 +398,7 @@ class HybridStrategy(ParallelStrategy):
         with raise_together():  # planning is collective-free: a failure on any rank is raised on all of them
             # Trainer(sync_batchnorm=True): SyncBatchNorm over the data-parallel group
             sync_batch_norm(module, self._layer_sync, self._data_group, self.root_device.type)
+            check_user_sharding(module, layout.zero_stage)  # configure_model's own fully_shard is ZeRO-3
             # data parallel and ZeRO train any module: only these settings need a block list
             self._structure = structure = find_model_structure(module, self._transformer_blocks, needed_by)
             if layout.tensor_parallel_size > 1 and not user_parallelized:

@@ -126,10 +126,20 @@ class LightningModelParallelModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
 
 
+class _SingleDevice(LightningModelParallelModule):
+    """The same module on one device, the reference: Lightning's guide runs ``configure_model`` under
+    ``ModelParallelStrategy`` only (a single-device Trainer has no ``device_mesh``)."""
+
+    def configure_model(self) -> None:
+        pass
+
+
 def build_foreign_module(model: str, **kwargs: Any) -> L.LightningModule | None:
-    """The modules above by name; None for other names."""
+    """The modules above by name (``lightning_mp_single``: the reference of ``lightning_mp``); None for others."""
     if model in LITGPT_CONFIGS:
         return LitGPTModule(model, **kwargs)
     if model == "lightning_mp":
         return LightningModelParallelModule(**kwargs)
+    if model == "lightning_mp_single":
+        return _SingleDevice(**kwargs)
     return None
