@@ -210,6 +210,7 @@ class PipelineRunner:
         assert verifier is not None and first.checks is not None
         self.verifier = None
         m = len(first.microbatches)
+        verifier.refresh(self.network)
         microbatch = verifier.common_microbatch(first.microbatches[0])
         captured = self._capture(first.mode, microbatch, first.extra)
         step = _Step(first.mode, [microbatch] * m, first.extra, [captured] * m, {s: 0 for s in self.stages})

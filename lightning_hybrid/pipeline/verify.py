@@ -236,6 +236,10 @@ class PipelineVerifier:
     data_group: Any
     pipeline_group: Any
     tolerance: float
+    reference_rank: int = 0
+    """Global rank of the reference rank."""
+    in_reference_pipeline: bool = False
+    """Whether this rank is in the reference rank's pipeline group (first replica, first tensor-parallel rank)."""
     sync: Callable[[], None] = lambda: None
     """Makes the gradients the single-device ones within a replica (tensor-parallel and tied/shared sums)."""
     duplicates: Callable[[], list[nn.Parameter]] = list
@@ -244,6 +248,32 @@ class PipelineVerifier:
     """(pipelined loss, pipelined gradient norm) of the verified micro-batch, on the reference rank."""
     result: Optional[dict[str, float]] = None
     """What the reference rank compared: ``loss``, ``reference_loss``, ``norm``, ``reference_norm``."""
+
+    def refresh(self, network: nn.Module) -> None:
+        """Load the split network's current weights into the copy (collective: every rank, same order). The copy
+        was taken at set-up; a checkpoint resumed since, or a hook, may have changed them. Each stage's parameters
+        and buffers are gathered whole over tensor parallel and ZeRO, then sent to the reference rank."""
+        from lightning_hybrid.checkpoint import full_tensor
+        from lightning_hybrid.checkpoint.optimizer import _clean
+
+        mine = {
+            _clean(name): full_tensor(t.detach()).cpu()
+            for name, t in [*network.named_parameters(), *network.named_buffers()]
+        }
+        if not self.in_reference_pipeline:
+            return
+        is_reference = dist.get_rank() == self.reference_rank
+        gathered: Optional[list[Any]] = [None] * dist.get_world_size(self.pipeline_group) if is_reference else None
+        dist.gather_object(mine, gathered, dst=self.reference_rank, group=self.pipeline_group)
+        if not is_reference or self.reference is None:
+            return
+        state = {k: v for part in gathered or [] for k, v in part.items()}
+        own = dict(self.reference.state_dict(keep_vars=True))
+        missing = [k for k, v in own.items() if isinstance(v, nn.Parameter) and k not in state]
+        if missing:
+            self.reference = None  # cannot rebuild the unsplit network: no comparison (the checks still ran)
+            return
+        self.reference.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
 
     def common_microbatch(self, microbatch: Any) -> Any:
         """The first data-parallel replica's micro-batch, on every replica (so their gradients agree)."""
@@ -376,23 +406,9 @@ def make_verifier(
     size = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     if setting == "auto" and (user_split or size > AUTO_MAX_PARAMETERS or precision not in TOLERANCES):
         return None
-    trainer = getattr(module, "_trainer", None)
-    if getattr(trainer, "ckpt_path", None) is not None:
-        # the weights come from a checkpoint loaded after set-up, into the split model: a copy taken now would be
-        # stale. The structural checks still run.
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        if setting is True:
-            rank_zero_warn("`verify_pipeline=True`: the unsplit comparison is skipped when resuming from a checkpoint.")
-        return None
-    if user_split:
-        raise HybridConfigError(
-            "`verify_pipeline=True` runs an unsplit copy of the network on one rank, but `configure_model` already"
-            " split its parameters (DTensors). Pass `verify_pipeline=False` (the structural checks of the first step"
-            " still run)."
-        )
     coordinates = {name: mesh[name].get_local_rank() for name in ("pipeline", "data", "tensor")}
     is_reference = coordinates == {"pipeline": last_stage_rank, "data": 0, "tensor": 0}
+    reference_rank = int(mesh.mesh[last_stage_rank, 0, 0])
     # the LightningModule may be the network: its trainer and mesh are shared, not copied
     memo = {id(v): v for v in (getattr(module, "_trainer", None), getattr(module, "_device_mesh", None)) if v}
     return PipelineVerifier(
@@ -400,4 +416,6 @@ def make_verifier(
         data_group=mesh["data"].get_group(),
         pipeline_group=mesh["pipeline"].get_group(),
         tolerance=TOLERANCES.get(precision, LOW_PRECISION_TOLERANCE),
+        reference_rank=reference_rank,
+        in_reference_pipeline=coordinates["data"] == 0 and coordinates["tensor"] == 0,
     )
