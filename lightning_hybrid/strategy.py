@@ -59,12 +59,14 @@ from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blo
 from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.pipeline.shared import SharedParameters, find_shared_parameters
 from lightning_hybrid.pipeline.stage import InputStub
+from lightning_hybrid.pipeline.verify import check_verify_pipeline, make_verifier
 from lightning_hybrid.planning.auto import check_auto_layout
 from lightning_hybrid.precision import PRECISIONS, HybridPrecision
 from lightning_hybrid.sharding import (
     GradientSync,
     ShardedOptimizer,
     apply_fully_shard,
+    check_user_sharding,
     measure_model_state_bytes,
     sync_batch_norm,
 )
@@ -75,7 +77,7 @@ from lightning_hybrid.tensor_parallel import (
     build_tensor_parallel_plan,
     validate_tensor_parallel_plan,
 )
-from lightning_hybrid.topology import build_device_mesh, format_rank_table, gather_rank_devices
+from lightning_hybrid.topology import build_device_mesh, format_rank_table, gather_rank_devices, with_lightning_names
 from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, HangWatchdog, configure_flight_recorder, resolve_timeout
 
 if TYPE_CHECKING:
@@ -115,6 +117,10 @@ class HybridStrategy(ParallelStrategy):
         virtual_pipeline_size: stages per rank for the interleaved and zero-bubble schedules.
         pipeline_partition: ``"uniform"``, ``"parameters"``, ``"profile"`` or block counts per stage.
         pipeline_network: name of the module ``training_step`` calls, if not the one owning the block list.
+        verify_pipeline: on the first batch, compare the pipelined loss and gradient norm of one micro-batch with an
+            unsplit forward of a copy of the network on one rank, and refuse the run on a mismatch. ``"auto"``: on
+            for fp32 models of at most 100M parameters; ``True``: always; ``False``: off (the structural checks of
+            the first step still run). See docs/pipeline.md.
         zero3_gradient_sync: ZeRO-3 under pipeline parallel: ``"per_step"`` keeps each stage's gradients unsharded
             across micro-batches and reduce-scatters once per step (more memory, less communication);
             ``"per_microbatch"`` reduce-scatters and frees them after every micro-batch's backward.
@@ -181,6 +187,7 @@ class HybridStrategy(ParallelStrategy):
         virtual_pipeline_size: int = 1,
         pipeline_partition: Union[str, list[int]] = "uniform",
         pipeline_network: Optional[str] = None,
+        verify_pipeline: Union[bool, Literal["auto"]] = "auto",
         zero3_gradient_sync: Literal["per_step", "per_microbatch"] = "per_step",
         overlap_grad_reduce: bool = True,
         bucket_cap_mb: float = 25.0,
@@ -232,6 +239,8 @@ class HybridStrategy(ParallelStrategy):
             "pipeline_partition": pipeline_partition,
         }
         self._pipeline_network = pipeline_network
+        check_verify_pipeline(verify_pipeline)
+        self._verify_pipeline = verify_pipeline
         if zero3_gradient_sync not in ("per_step", "per_microbatch"):
             raise HybridConfigError(
                 f"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch', got {zero3_gradient_sync!r}."
@@ -371,7 +380,8 @@ class HybridStrategy(ParallelStrategy):
             # called without an active exception"): its worker threads release tensors, which takes the GIL, and a
             # thread taking the GIL during finalization is ended by pthread_exit. A no-op if already destroyed.
             atexit.register(_destroy_groups_at_exit)
-        self._device_mesh = build_device_mesh(self._layout, self.root_device.type, self._timeout)
+        # also answers to the dimension names of Lightning's ModelParallelStrategy ("data_parallel", ...)
+        self._device_mesh = with_lightning_names(build_device_mesh(self._layout, self.root_device.type, self._timeout))
         self._watchdog = HangWatchdog(self._device_mesh, self._timeout, self._process_group_backend)
         self._watchdog.start()
         self._data_group = self._device_mesh["data"].get_group()  # slicing a mesh builds a new one: once, not per step
@@ -442,6 +452,7 @@ class HybridStrategy(ParallelStrategy):
         with raise_together():  # planning is collective-free: a failure on any rank is raised on all of them
             # Trainer(sync_batchnorm=True): SyncBatchNorm over the data-parallel group
             sync_batch_norm(module, self._layer_sync, self._data_group, self.root_device.type)
+            check_user_sharding(module, layout.zero_stage)  # configure_model's own fully_shard is ZeRO-3
             # data parallel and ZeRO train any module: only these settings need a block list
             self._structure = structure = find_model_structure(module, self._transformer_blocks, needed_by)
             if layout.tensor_parallel_size > 1 and not user_parallelized:
@@ -499,6 +510,9 @@ class HybridStrategy(ParallelStrategy):
                     )
         if split is not None:
             self._pipeline = self._build_runner(module, structure, split)
+            if self._verifier is not None:  # within a replica: tensor-parallel and shared-parameter sums
+                self._verifier.sync, self._verifier.duplicates = self.reduce_gradients, lambda: self._tied_duplicates
+                self._pipeline.verifier = self._verifier
             self._tied_sync = self._tied_gradient_sync(module, structure, split)
             if layout.zero_stage == 3:
                 dp_replicated += self._shared.loose  # in no stage's FSDP2 root: averaged over data like those left out
@@ -549,6 +563,15 @@ class HybridStrategy(ParallelStrategy):
                 owner_style="v" if options["pipeline_schedule"] == "zbv_zero_bubble" else "loop",
             )
             pipeline_rank = self.device_mesh["pipeline"].get_local_rank()
+            # before the cut: the reference rank copies the whole network
+            self._verifier = make_verifier(
+                self._verify_pipeline,
+                module,
+                network,
+                self.device_mesh,
+                precision=self.precision_plugin.precision,
+                last_stage_rank=stage_plan.owner[-1],
+            )
             split = split_network(network, blocks_rel, stage_plan, pipeline_rank)
         unit = "seconds" if partition == "profile" else "params"
         rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(unit))

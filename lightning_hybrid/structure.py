@@ -182,18 +182,7 @@ def find_model_structure(
         for n, m in network.named_modules()
         if name is None or not _inside(n, name[len(prefix) :])
     ]
-    embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
-    linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
-    # the token embedding is the one whose vocabulary the output head predicts (a position table can be larger
-    # than the vocabulary); without such a head, the first embedding registered
-    token_embedding, head = None, None
-    for name_e, emb in embeddings:
-        heads = [(n, m) for n, m in linears if m.out_features == emb.num_embeddings]
-        if heads:
-            token_embedding, head = (name_e, emb), heads[-1]
-            break
-    if token_embedding is None and embeddings:
-        token_embedding = embeddings[0]
+    token_embedding, head = embedding_and_head(outside)
 
     tied: list[tuple[str, str]] = []
     seen: dict[int, str] = {}
@@ -210,6 +199,22 @@ def find_model_structure(
         output_head_name=head[0] if head else None,
         tied_parameters=tied,
     )
+
+
+def embedding_and_head(
+    outside: Sequence[tuple[str, nn.Module]],
+) -> tuple[Optional[tuple[str, nn.Module]], Optional[tuple[str, nn.Module]]]:
+    """The token embedding and the vocabulary head among the modules outside the block list, by shape alone (not by
+    registration order): the token embedding is the one whose vocabulary a Linear predicts (a position table can be
+    larger than the vocabulary), that Linear (the last such) is the head; without such a head, the first embedding
+    registered and no head."""
+    embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
+    linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
+    for name_e, emb in embeddings:
+        heads = [(n, m) for n, m in linears if m.out_features == emb.num_embeddings]
+        if heads:
+            return (name_e, emb), heads[-1]
+    return (embeddings[0] if embeddings else None), None
 
 
 def _inside(name: str, blocks_name: str) -> bool:

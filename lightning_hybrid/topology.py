@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_hybrid.config import ParallelLayout
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-__all__ = ["MESH_DIM_NAMES", "build_device_mesh", "format_rank_table", "gather_rank_devices"]
+__all__ = [
+    "LIGHTNING_DIM_NAMES",
+    "MESH_DIM_NAMES",
+    "HybridDeviceMesh",
+    "build_device_mesh",
+    "format_rank_table",
+    "gather_rank_devices",
+    "with_lightning_names",
+]
 
 # Pipeline slowest, tensor fastest: consecutive ranks form a tensor-parallel group, so it stays inside a node where
 # the links are fastest (Megatron's default order); pipeline stages cross the slow links.
@@ -45,6 +51,49 @@ def _options(timeout: timedelta) -> tuple[str, Any]:
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     return backend, options
+
+
+# Lightning's ModelParallelStrategy names its mesh ("data_parallel", "tensor_parallel"); a module written for it slices
+# `self.device_mesh` by those names. torch gives a mesh dimension one name only (a flattened alias sliced from the root
+# mesh is deprecated since torch 2.11), so the mesh handed out translates them (`with_lightning_names`).
+LIGHTNING_DIM_NAMES = {"data_parallel": "data", "tensor_parallel": "tensor", "pipeline_parallel": "pipeline"}
+
+
+def _canonical(names: Any) -> Any:
+    if isinstance(names, str):
+        return LIGHTNING_DIM_NAMES.get(names, names)
+    if isinstance(names, tuple):
+        return tuple(LIGHTNING_DIM_NAMES.get(n, n) if isinstance(n, str) else n for n in names)
+    return names
+
+
+class HybridDeviceMesh(DeviceMesh):
+    """The ``("pipeline", "data", "tensor")`` mesh that also answers to Lightning's dimension names: slicing,
+    ``get_group`` and ``get_local_rank`` take ``"data_parallel"``/``"tensor_parallel"``/``"pipeline_parallel"`` as
+    well. Slices are plain DeviceMeshes with the canonical names; the mesh equals (``==``) the one it views, so
+    DTensors built on either agree."""
+
+    def __getitem__(self, mesh_dim_names: Any) -> DeviceMesh:
+        return super().__getitem__(_canonical(mesh_dim_names))
+
+    def get_group(self, mesh_dim: Any = None) -> Any:
+        return super().get_group(_canonical(mesh_dim))
+
+    def get_local_rank(self, mesh_dim: Any = None) -> int:
+        return super().get_local_rank(_canonical(mesh_dim))
+
+
+def with_lightning_names(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` as a DeviceMesh that also takes Lightning's ``ModelParallelStrategy`` dimension names (a view: the
+    same process groups, no collective).
+
+    Example:
+        >>> # mesh = with_lightning_names(build_device_mesh(layout, "cpu"))
+        >>> # mesh["tensor_parallel"] == mesh["tensor"]  # -> True
+    """
+    view = object.__new__(HybridDeviceMesh)
+    view.__dict__.update(mesh.__dict__)
+    return view
 
 
 def gather_rank_devices(device: torch.device) -> list[tuple[str, str, int]]:

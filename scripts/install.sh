@@ -53,6 +53,11 @@ if [[ -n "$EXTRAS" ]]; then
 else
     pip_install -e .
 fi
+if [[ ",$EXTRAS," =~ ,test, ]]; then
+    # litgpt (the tests train its GPT unchanged) without its dependencies: it pins huggingface-hub<1.4, which
+    # transformers 5 (>=1.31) excludes, and psutil; what its GPT and Config need is installed already
+    pip_install --no-deps "litgpt==0.5.13"
+fi
 if [[ ",$EXTRAS," =~ ,(test|bench), ]] && ! command -v nvidia-smi >/dev/null 2>&1; then
     # On CPU DeepSpeed compiles its shared-memory all-reduce op the first time a process group starts (~1.5 min,
     # cached in ~/.cache/torch_extensions): build it here, so that the first benchmark does not pay for it.

@@ -112,7 +112,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def reads_left_out(item: pytest.Item) -> bool:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        names = [v["name"] if isinstance(v, dict) else v for v in params.values() if isinstance(v, (dict, str))]
+        names = [v.get("name") if isinstance(v, dict) else v for v in params.values() if isinstance(v, (dict, str))]
         return any(isinstance(n, str) and n in known and not launched(n) for n in names)
 
     left_out = [item for item in items if reads_left_out(item)]

@@ -64,6 +64,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
 
         module = build_pipeline_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
     if module is None:
+        from tests.foreign_models import build_foreign_module
+
+        module = build_foreign_module(model, **kwargs)
+    if module is None:
         raise ValueError(model)
     return module
 
@@ -179,7 +183,10 @@ def trainer_kwargs(steps: int) -> dict[str, Any]:
 def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
     """Single process, single device: the ground truth for a scenario."""
     torch.set_num_threads(max(1, int(os.environ.get("REFERENCE_THREADS", "1"))))
-    model = "nanogpt" if scenario["model"] == "nanogpt_user_tp" else scenario["model"]
+    # modules that parallelize themselves in configure_model: the same module without it
+    model = {"nanogpt_user_tp": "nanogpt", "lightning_mp": "lightning_mp_single"}.get(
+        scenario["model"], scenario["model"]
+    )
     module = build_module(model, **scenario.get("model_kwargs", {}))
     dp = scenario["data_parallel_size"]
     per_epoch = -(-NUM_SAMPLES // (dp * scenario["batch_size"]))

@@ -17,7 +17,10 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
     ``wte`` and a second, untied vocabulary head ``aux_head`` registered after it, which the automatic
     tensor-parallel plan takes as the output head: the tied head stays whole while the embedding is split.
     ``nanogpt_rank_marker``: the nanoGPT example plus a persistent buffer that holds each rank's global rank, so two
-    ranks hold different values under one checkpoint key. None for other names."""
+    ranks hold different values under one checkpoint key. Two whose forward does not fit the stage cut:
+    ``late_norm_gpt`` registers ``ln_f`` before the block list and calls it after; ``positions_again_gpt`` reads the
+    position embedding's output again after the blocks (the last stage only has a zero stand-in for it, and every
+    structural check passes). None for other names."""
     from examples.nanogpt import GPT, NanoGPT
 
     class RootParameterGPT(GPT):
@@ -64,5 +67,30 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
         def on_fit_start(self) -> None:
             self.rank_marker.fill_(float(self.global_rank))
 
-    classes = {"posemb_gpt": PosEmbGPT, "nanogpt_tied_aux_head": TiedAuxHead, "nanogpt_rank_marker": RankMarker}
+    class LateNormGPT(GPT):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            # registered before the block list, called after it
+            self._modules = {"ln_f": self._modules.pop("ln_f"), **self._modules}
+
+    class LateNorm(NanoGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.model = LateNormGPT(self.model.config)
+
+    class PositionsAgainGPT(GPT):
+        def forward(self, idx: Tensor) -> Tensor:
+            pos = self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            x = self.drop(self.wte(idx) + pos)
+            for block in self.h:
+                x = block(x)
+            return self.lm_head(self.ln_f(x + pos))  # the input module's output read again after the blocks
+
+    class PositionsAgain(NanoGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.model = PositionsAgainGPT(self.model.config)
+
+    classes = {"posemb_gpt": PosEmbGPT, "nanogpt_tied_aux_head": TiedAuxHead, "nanogpt_rank_marker": RankMarker,
+               "late_norm_gpt": LateNorm, "positions_again_gpt": PositionsAgain}  # fmt: skip
     return classes[model](**kwargs) if model in classes else None

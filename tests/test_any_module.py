@@ -55,6 +55,24 @@ ERRORS = [
 share(2, PARITY + RESUMED + ERRORS)
 
 
+def mp_scenario(name: str, strategy: dict[str, Any], dp: int, **extra: Any) -> dict[str, Any]:
+    """The module written for Lightning's ModelParallelStrategy (tests/foreign_models.py), on token windows."""
+    return {"name": name, "model": "lightning_mp", "model_kwargs": {}, "strategy": strategy, "steps": STEPS,
+            "batch_size": BATCH, "data_parallel_size": dp, **extra}  # fmt: skip
+
+
+# its configure_model slices self.device_mesh["tensor_parallel"] / ["data_parallel"] and applies the plan and
+# fully_shard itself: HybridStrategy applies neither again
+MODEL_PARALLEL = [
+    mp_scenario("lightning-mp-tp2", {"tensor_parallel_size": 2}, dp=1),
+    mp_scenario("lightning-mp-dp2-zero3", {"zero_stage": 3}, dp=2),
+]
+MODEL_PARALLEL_4 = [mp_scenario("lightning-mp-tp2-dp2-zero3", {"tensor_parallel_size": 2, "zero_stage": 3}, dp=2)]
+MP_ERRORS = [mp_scenario("error-lightning-mp-dp2-zero1", {"zero_stage": 1}, dp=2, expect_error=True)]
+share(2, MODEL_PARALLEL + MP_ERRORS)
+share(4, MODEL_PARALLEL_4)
+
+
 @pytest.fixture(scope="session")
 def group2(shared_groups):
     return shared_groups(2)
@@ -170,3 +188,56 @@ def test_sync_batchnorm_converts_over_the_data_parallel_group_only() -> None:
     with pytest.raises(HybridConfigError, match=r"sync_batchnorm=True\)` on 'cpu'"):
         sync_batch_norm(SmallCNN(), TorchSyncBatchNorm(), group, "cpu")
     sync_batch_norm(nn.Linear(2, 2), TorchSyncBatchNorm(), group, "cpu")  # no BatchNorm: nothing to refuse
+
+
+# ------------------------------------------------------------------------------------------------ ModelParallelStrategy
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize(
+    "case", MODEL_PARALLEL + MODEL_PARALLEL_4, ids=[s["name"] for s in MODEL_PARALLEL + MODEL_PARALLEL_4]
+)
+def test_a_module_written_for_lightnings_model_parallel_strategy_trains_unchanged(shared_groups, case) -> None:
+    """Lightning's guide: ``configure_model`` calls ``parallelize_module(..., self.device_mesh["tensor_parallel"],
+    plan)`` and ``fully_shard(..., mesh=self.device_mesh["data_parallel"])``. It used to fail at once with
+    ``KeyError: Invalid mesh_dim_names ('tensor_parallel',)``; now it matches one device, with the user's plan and
+    sharding applied once."""
+    from tests.test_foundation import assert_parity
+
+    world = 4 if case in MODEL_PARALLEL_4 else 2
+    result = shared_groups(world).get(case["name"])
+    assert_parity(result, run_reference(case))
+    layout = result["layout"]
+    total = sum(p.numel() for p in result["params"].values())
+    # the user's split really happened: tensor parallel leaves each rank part of the elements, fully_shard part of
+    # the parameter bytes (fp32)
+    if layout["tensor_parallel_size"] > 1:
+        assert all(record["local_numel"] < total for record in result["per_rank"])
+    if layout["zero_stage"] == 3:
+        assert all(record["model_state"]["parameters"] < 4 * total for record in result["per_rank"])
+
+
+def test_a_module_sharded_by_its_own_configure_model_needs_zero_stage_3(shared_groups) -> None:
+    messages = shared_groups(2).expected_errors("error-lightning-mp-dp2-zero1")
+    assert len(messages) == 2 and len(set(messages)) == 1, messages
+    assert re.search(
+        r"`zero_stage=1`, but the LightningModule's `configure_model` already applied FSDP2's", messages[0]
+    )
+
+
+def test_the_mesh_answers_to_lightnings_dimension_names(tmp_path) -> None:
+    """One process: the names of Lightning's ModelParallelStrategy slice the same dimensions as ours."""
+    import torch.distributed as dist
+
+    from lightning_hybrid.config import ParallelLayout
+    from lightning_hybrid.topology import build_device_mesh, with_lightning_names
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = with_lightning_names(build_device_mesh(ParallelLayout.resolve(world_size=1), "cpu"))
+        assert mesh == build_device_mesh(ParallelLayout.resolve(world_size=1), "cpu")
+        for lightning_name, ours in (("data_parallel", "data"), ("tensor_parallel", "tensor"),
+                                     ("pipeline_parallel", "pipeline")):  # fmt: skip
+            assert mesh[lightning_name] == mesh[ours] and mesh[lightning_name].mesh_dim_names == (ours,)
+            assert mesh.get_local_rank(lightning_name) == 0 and mesh.get_group(lightning_name) is not None
+        assert mesh[("data_parallel", "tensor_parallel")].mesh_dim_names == ("data", "tensor")
+    finally:
+        dist.destroy_process_group()

@@ -3,6 +3,7 @@ Llama, communication once per step, Lightning callbacks, and configuration error
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Any
 
@@ -207,6 +208,22 @@ WORLD2.append(
     )  # fmt: skip
 )
 WORLD2.append(scenario("pp2-predict", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs=LAYERS4, predict=True))
+# modules written without this project in mind (tests/foreign_models.py): litgpt's GPT registers its lm_head before
+# the block list; it used to be cut as an input module, and the loss sat at ln(vocab) with nothing trained
+LITGPT = importlib.util.find_spec("litgpt") is not None  # installed by scripts/install.sh (test extra), --no-deps
+FOREIGN = [
+    {**scenario(f"{m}-pp2", "nanogpt", _pp(2, "1f1b", 2), 1), "model": m, "model_kwargs": {}}
+    for m in (("litgpt_llama", "litgpt_pythia") if LITGPT else ())
+]
+# forwards that do not fit the cut: refused before the first optimizer step on every rank, by the structural checks
+# of the first step alone (verify_pipeline off) and by verify_pipeline where every structural check passes
+MISFITS = [
+    {**scenario("error-late-norm-pp2", "nanogpt", _pp(2, "1f1b", 2, verify_pipeline=False), 1, model_kwargs=LAYERS4,
+                expect_error=True), "model": "late_norm_gpt"},
+    {**scenario("error-positions-again-pp2", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs=LAYERS4,
+                expect_error=True), "model": "positions_again_gpt"},
+]  # fmt: skip
+WORLD2 += FOREIGN + MISFITS
 TIED_CLIP = {"pp2-tied-clip": {"model.lm_head.weight": "model.wte.weight"}}
 GROUPS = {2: WORLD2, 4: WORLD4, 8: WORLD8}
 PARITY = [s for group in GROUPS.values() for s in group if not s.get("expect_error") and not s.get("callbacks")]
@@ -472,3 +489,54 @@ def test_logged_values_travel_as_one_tensor_and_fall_back_when_the_names_change(
                 assert all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values.values())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        (
+            "error-late-norm-pp2",
+            r"pipeline stage 0 holds 1 parameter\(s\) that got no gradient at the first step: `ln_f\.weight`.*"
+            r"pipeline stage 1 \(the last\): the loss does not depend on the activation received from stage 0.*"
+            r"pipeline stage 1: the forward called \['ln_f'\] after the stage's first block",
+        ),
+        (
+            "error-positions-again-pp2",
+            r"`verify_pipeline`: the pipelined first micro-batch does not match an unsplit forward.*loss .* gradient"
+            r" norm .*tolerance 0\.0001",
+        ),
+    ],
+)
+def test_a_forward_that_does_not_fit_the_cut_is_refused_before_any_step(pipeline_groups, name: str, match: str) -> None:
+    """A module registered before the block list but called after it (the first stage holds it, the last ran a zero
+    stand-in), and an input module's output read again after the blocks (every structural check passes; only the
+    unsplit comparison sees it): both trained wrong without a word before; now every rank raises the same error."""
+    group = pipeline_groups(2)
+    messages = group.expected_errors(name)
+    assert len(messages) == 2 and len(set(messages)) == 1, f"{messages}\n{group.log[-3000:]}"
+    assert messages[0].startswith("HybridConfigError") and re.search(match, messages[0]), messages[0]
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize(
+    ("world", "name"),
+    [(2, "pp2-1f1b"), (2, "pp2-tied"), (4, "pp2-dp2-zero3-per_step-m2"), (4, "llama-pp2-tp2"),
+     (4, "posemb-pp2-dp2-zero3"), (8, "tp2-pp2-dp2-zero3")]
+    + [(2, s["name"]) for s in FOREIGN],
+)  # fmt: skip
+def test_verify_pipeline_ran_once_and_agrees_with_the_unsplit_forward(pipeline_groups, world: int, name: str) -> None:
+    """verify_pipeline='auto' (the default) compared the first micro-batch on exactly one rank (the last stage's, in
+    the first replica), and the pipelined loss and gradient norm equal the unsplit ones far inside its tolerance."""
+    result = pipeline_groups(world).get(name)
+    compared = [r["verification"] for r in result["per_rank"] if r["verification"] is not None]
+    assert len(compared) == 1, result["per_rank"]
+    v = compared[0]
+    assert abs(v["loss"] - v["reference_loss"]) <= 1e-5 * abs(v["reference_loss"]), v
+    assert abs(v["norm"] - v["reference_norm"]) <= 1e-5 * v["reference_norm"], v
+
+
+def test_verify_pipeline_takes_true_false_or_auto() -> None:
+    with pytest.raises(HybridConfigError, match=r"`verify_pipeline` must be True, False or 'auto', got 'yes'"):
+        HybridStrategy(pipeline_parallel_size=2, verify_pipeline="yes")
+    HybridStrategy(pipeline_parallel_size=2, verify_pipeline=False)

@@ -164,6 +164,7 @@ def run(scenario: dict, out_dir: Path) -> None:
             "sampler": result["sampler"],
             "gradient_buckets": strategy.gradient_buckets,
             "peak_gradient_bytes": peak.peaks if peak is not None else None,
+            "verification": getattr(getattr(strategy, "_pipeline", None), "verification", None),
         },
     )
     result["per_rank"] = gathered

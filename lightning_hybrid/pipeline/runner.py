@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageModule
+from lightning_hybrid.pipeline.verify import FirstStepChecks, PipelineVerifier
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -70,6 +71,10 @@ class _Step:
     losses: list[Tensor] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
     records: list[list[tuple[str, Any, tuple, dict]]] = field(default_factory=list)
+    weights: Optional[list[float]] = None
+    """Each micro-batch's factor on its loss (default: loss scale / micro-batches; verify_pipeline keeps one)."""
+    checks: Optional[FirstStepChecks] = None
+    """The structural checks, on the first training step only."""
 
 
 @dataclass
@@ -133,6 +138,12 @@ class PipelineRunner:
         self._clock = 0.0
         self.loss_scale = 1.0
         """Multiplies the loss the schedule differentiates (fp16 loss scaling; the strategy sets it each step)."""
+        self.verifier: Optional[PipelineVerifier] = None
+        """``verify_pipeline``: compares the first batch with an unsplit forward (the strategy sets it)."""
+        self._checks_pending = True
+        self.verification: Optional[dict[str, float]] = None
+        """On the rank that ran ``verify_pipeline``'s comparison: the values it compared."""
+        self._hidden: Optional[Tensor] = None
         last_rank = split.plan.owner[self.last_stage]
         self._last_global_rank = dist.get_global_rank(pp_mesh.get_group(), last_rank)
 
@@ -147,23 +158,23 @@ class PipelineRunner:
         step = _Step(mode, microbatches, extra, captured, {s: 0 for s in self.stages})
         step.records = [[] for _ in range(m)]
         schedule = self._schedule(training, m, captured[0])
-        self._step, self.timeline = step, StepTimeline(rank=dist.get_rank())
-        ids = torch.arange(m, device=self.device)
-        args = (ids,) if 0 in self.stages else ()
-        last = self.last_stage in self.stages
-        kwargs: dict[str, Any] = {"target": ids, "losses": []} if last and training else {}
         previous = self._take_gradients() if training else []
+        if training and self._checks_pending:
+            # the first training step checks the cut before any optimizer step; verify_pipeline does it in a step
+            # of its own, otherwise this step carries the checks
+            self._checks_pending = False
+            step.checks = FirstStepChecks(self.network, self.split)
+            if self.verifier is not None:
+                self._verify(step, schedule)
+                step.checks = None
+        self.timeline = StepTimeline(rank=dist.get_rank())
         start = self._clock = time.perf_counter()
-        try:
-            if training:
-                schedule.step(*args, **kwargs)
-            else:
-                with torch.no_grad():
-                    schedule.step(*args, **kwargs)
-        finally:
-            self._step = None
+        self._execute(step, schedule, training)
         self.timeline.step_time = time.perf_counter() - start
         if training:
+            if step.checks is not None:
+                step.checks.check_gradients(self.stages)
+                step.checks.raise_together()
             self._stashed = self._take_gradients()
             for p, g in previous:  # back in place, for Lightning's zero_grad to clear or gradient accumulation to keep
                 p.grad = g
@@ -174,6 +185,57 @@ class PipelineRunner:
         for p, g in self._stashed:
             p.grad = g if p.grad is None else p.grad + g
         self._stashed = []
+
+    def _execute(self, step: _Step, schedule: Any, training: bool) -> None:
+        """One run of the schedule over ``step``'s micro-batches on this rank's stages."""
+        ids = torch.arange(len(step.microbatches), device=self.device)
+        args = (ids,) if 0 in self.stages else ()
+        last = self.last_stage in self.stages
+        kwargs: dict[str, Any] = {"target": ids, "losses": []} if last and training else {}
+        self._step = step
+        try:
+            if training:
+                schedule.step(*args, **kwargs)
+            else:
+                with torch.no_grad():
+                    schedule.step(*args, **kwargs)
+        finally:
+            self._step = None
+
+    def _verify(self, first: _Step, schedule: Any) -> None:
+        """``verify_pipeline``: a pipeline step in which only micro-batch 0 (the first replica's, on every replica)
+        counts, checked structurally, then its loss and gradient norm against the unsplit copy on one rank. The
+        gradients it makes are dropped; the real step follows unchanged."""
+        verifier = self.verifier
+        assert verifier is not None and first.checks is not None
+        self.verifier = None
+        m = len(first.microbatches)
+        verifier.refresh(self.network)
+        microbatch = verifier.common_microbatch(first.microbatches[0])
+        captured = self._capture(first.mode, microbatch, first.extra)
+        step = _Step(first.mode, [microbatch] * m, first.extra, [captured] * m, {s: 0 for s in self.stages})
+        step.records, step.weights, step.checks = [[] for _ in range(m)], [1.0] + [0.0] * (m - 1), first.checks
+        with verifier.deterministic(self.module, verifier.reference):
+            self._execute(step, schedule, True)
+            step.checks.check_gradients(self.stages)
+            step.checks.raise_together()
+            norm = verifier.gradient_norm(self.module)
+            for p in self.module.parameters():
+                p.grad = None
+            reference = None
+            if verifier.reference is not None:
+                verifier.reference.to(self.device)  # copied at set-up, before the model moved to its device
+                verifier.measured = (float(step.losses[0]), norm)
+
+                def run_step(forward: Callable) -> Tensor:
+                    with self._network_replaced(forward), self._log_to(None):
+                        out = getattr(self.module, step.mode)(microbatch, *step.extra)
+                    out = apply_to_collection(out, DTensor, to_plain)
+                    return out if isinstance(out, Tensor) else out["loss"]
+
+                reference = verifier.reference_values(run_step, self.module, self.network)
+            verifier.compare(reference)
+        self.verification = verifier.result
 
     # ------------------------------------------------------------------ capture and stage execution
     # the instance dicts are written directly: ``nn.Module.__setattr__`` checks parameters, buffers and submodules on
@@ -231,6 +293,35 @@ class PipelineRunner:
         mb = step.counters[stage]
         step.counters[stage] += 1
         received = None if stage == 0 else x
+        checks = step.checks
+        if checks is None:
+            return self._stage_forward(step, stage, mb, received)
+        checks.begin()
+        try:
+            out = self._stage_forward(step, stage, mb, received)
+        except Exception as error:
+            # the first step: record it and go on with a stand-in, so the schedule's peers are not left waiting;
+            # every rank raises it after the step (FirstStepChecks.raise_together)
+            checks.failed(stage, error)
+            out = self._stand_in(stage, received)
+            if stage == self.last_stage and step.mode == "training_step":
+                step.losses.append(out.detach().reshape(()))
+            return out
+        if mb == 0 and isinstance(out, Tensor):
+            checks.check_output(stage, received, out, stage == self.last_stage)
+        return out
+
+    def _stand_in(self, stage: int, received: Optional[Tensor]) -> Tensor:
+        """What a stage that failed at the first step hands on: zeros of its output's shape, in autograd."""
+        if stage == self.last_stage:
+            base = torch.zeros(1, device=self.device)
+            return base + received.sum() * 0 if received is not None else base.requires_grad_()
+        if received is not None:
+            return received * 0
+        assert self._hidden is not None
+        return torch.zeros_like(self._hidden).requires_grad_()
+
+    def _stage_forward(self, step: _Step, stage: int, mb: int, received: Optional[Tensor]) -> Any:
         if stage != self.last_stage:
             args, kwargs = step.captured[mb]
             return self._partial_forward(stage, received, args, kwargs)
@@ -250,7 +341,8 @@ class PipelineRunner:
         # the micro-batch mean gives the full batch's mean-loss gradient, as on one device
         # shape [1], not a scalar: schedules concatenate last-stage outputs across micro-batches
         # in fp32: a scaled fp16 loss would overflow fp16 (4.0 x 2**16 > 65504)
-        return (loss.float() * (self.loss_scale / len(step.microbatches))).reshape(1)
+        weight = step.weights[mb] if step.weights is not None else self.loss_scale / len(step.microbatches)
+        return (loss.float() * weight).reshape(1)
 
     def _partial_forward(self, stage: int, received: Optional[Tensor], args: tuple, kwargs: dict) -> Any:
         from lightning_hybrid.pipeline.stage import StageBoundary
@@ -302,7 +394,7 @@ class PipelineRunner:
         key = (training, m, shapes, torch.is_autocast_enabled(self.device.type))
         if key in self._cache:
             return self._cache[key]
-        hidden = self._activation_meta(captured)
+        hidden = self._hidden = self._activation_meta(captured)
         from torch.distributed import pipelining
 
         group = self.pp_mesh.get_group()

@@ -205,7 +205,18 @@ def _raise_boundary(module: nn.Module, args: Any, output: Any) -> None:
 
 
 def _slots(network: nn.Module, blocks_rel: str) -> tuple[list[_Slot], list[_Slot]]:
-    """Modules with parameters outside the blocks, before (inputs) and after (outputs) them in registration order."""
+    """Modules with parameters outside the blocks: inputs (the first stage holds them) and outputs (the last stage).
+
+    Set-up runs no forward, so registration order stands in for call order: a module registered before the block list
+    is an input, one registered after it an output. The vocabulary head is the exception: it maps the blocks' hidden
+    state onto the token embedding's vocabulary, so it is an output wherever it is registered (litgpt's ``GPT``
+    registers ``lm_head`` first). Any other module whose call order differs from its registration order is caught
+    by the checks of the first step (pipeline/verify.py), which refuse the cut instead of training it wrong."""
+    from lightning_hybrid.structure import embedding_and_head
+
+    outside = [(n, m) for n, m in network.named_modules() if n != blocks_rel and not n.startswith(blocks_rel + ".")]
+    found = embedding_and_head(outside)[1]
+    head = found[0] if found is not None else None
     inputs: list[_Slot] = []
     outputs: list[_Slot] = []
     seen_blocks = False
@@ -222,7 +233,7 @@ def _slots(network: nn.Module, blocks_rel: str) -> tuple[list[_Slot], list[_Slot
         # a parent already taken as a slot covers this module
         if any(name.startswith(_qualname(network, s) + ".") for s in inputs + outputs):
             continue
-        (outputs if seen_blocks else inputs).append(_Slot(parent, attr, module))
+        (outputs if seen_blocks or name == head else inputs).append(_Slot(parent, attr, module))
     return inputs, outputs
 
 

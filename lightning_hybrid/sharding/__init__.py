@@ -8,8 +8,10 @@ from lightning_hybrid.sharding.zero import (
     ShardedGradientBuckets,
     ShardedOptimizer,
     apply_fully_shard,
+    check_user_sharding,
     local_grad,
     local_tensor,
+    user_fully_sharded,
 )
 
 __all__ = [
@@ -18,9 +20,11 @@ __all__ = [
     "ShardedGradientBuckets",
     "ShardedOptimizer",
     "apply_fully_shard",
+    "check_user_sharding",
     "expected_model_state_bytes",
     "local_grad",
     "local_tensor",
     "measure_model_state_bytes",
     "sync_batch_norm",
+    "user_fully_sharded",
 ]

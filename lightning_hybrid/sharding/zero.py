@@ -36,8 +36,10 @@ __all__ = [
     "ShardedGradientBuckets",
     "ShardedOptimizer",
     "apply_fully_shard",
+    "check_user_sharding",
     "local_grad",
     "local_tensor",
+    "user_fully_sharded",
 ]
 
 
@@ -1000,6 +1002,11 @@ def apply_fully_shard(
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    if user_fully_sharded(module):
+        # the LightningModule's configure_model applied fully_shard itself (as written for Lightning's
+        # ModelParallelStrategy): a second one would fail or shard twice; what its units leave out stays replicated
+        return [n for n, p in module.named_parameters() if not _sharded_over(p, dp_mesh)]
+
     # A fused projection split by tensor parallel (_StridedShard on dim 0) composes wrongly with FSDP2's own dim-0
     # split (full_tensor() and checkpoints would see permuted rows): shard such weights on dim 1 instead, and leave
     # 1-D ones (fused biases, tiny) replicated over the data dimension.
@@ -1015,3 +1022,40 @@ def apply_fully_shard(
         covered.update(target.parameters())
     left_out = ignored if roots is None else ignored | (set(module.parameters()) - covered)
     return [n for n, p in module.named_parameters() if p in left_out]
+
+
+def user_fully_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` already holds FSDP2 units (``fully_shard`` applied in the user's ``configure_model``).
+
+    Example:
+        >>> user_fully_sharded(nn.Linear(2, 2))
+        False
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _sharded_over(p: nn.Parameter, dp_mesh: DeviceMesh) -> bool:
+    """A parameter an FSDP2 unit shards over the data-parallel dimension: a DTensor on a mesh with that dimension."""
+    from torch.distributed.tensor import DTensor
+
+    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+    return any(name in names for name in dp_mesh.mesh_dim_names or ())
+
+
+def check_user_sharding(module: nn.Module, zero_stage: int) -> None:
+    """Refuse a ``zero_stage`` below 3 for a module whose ``configure_model`` applied ``fully_shard`` (that is
+    ZeRO-3 already; a ZeRO-1/2 optimizer over FSDP2's shards would shard them again). Collective-free.
+
+    Example:
+        >>> check_user_sharding(nn.Linear(2, 2), zero_stage=1)
+    """
+    if zero_stage < 3 and user_fully_sharded(module):
+        from lightning_hybrid.config import HybridConfigError
+
+        raise HybridConfigError(
+            f"`zero_stage={zero_stage}`, but the LightningModule's `configure_model` already applied FSDP2's"
+            " `fully_shard` (parameters sharded over the data-parallel dimension: ZeRO-3). Pass `zero_stage=3`, or"
+            " leave the sharding to HybridStrategy and remove `fully_shard` from `configure_model`."
+        )

@@ -1,0 +1,427 @@
+"""No silent wrong pipeline: the checks of the first training step, and ``verify_pipeline``.
+
+The stage cut (pipeline/stage.py) replays the network's own ``forward`` with stand-ins for what other stages hold. A
+forward that does not fit the cut (a module registered on one side of the block list and called on the other, a
+hidden state the first block does not take first) would train wrong without an error. Two safeguards catch it before
+the first optimizer step, and every rank raises the same :class:`HybridConfigError`:
+
+* **Structural checks** (always, at the first training step, on every stage): the activation a stage received reaches
+  its output (on the last stage: the loss), every parameter of the stage got a gradient, and no stand-in for a module
+  another stage holds ran after the stage's blocks had started. They cost one walk of micro-batch 0's autograd graph
+  per stage and one small object all-gather.
+* **verify_pipeline** (``HybridStrategy(verify_pipeline=...)``): on the first batch, one rank compares the pipelined
+  loss and gradient norm of one micro-batch with an unsplit forward and backward of the same micro-batch on a copy of
+  the network taken before the cut. Costs one extra pipeline step and one unsplit forward/backward of a micro-batch
+  on one rank, plus that rank's copy of the network until the end of the first step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_hybrid.agreement import raise_together
+from lightning_hybrid.config import HybridConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_hybrid.pipeline.stage import NetworkSplit
+
+__all__ = [
+    "AUTO_MAX_PARAMETERS",
+    "FirstStepChecks",
+    "PipelineVerifier",
+    "TOLERANCES",
+    "check_verify_pipeline",
+    "make_verifier",
+]
+
+AUTO_MAX_PARAMETERS = 100_000_000
+"""``verify_pipeline="auto"`` is on when the whole model has at most this many parameters (one rank then holds a
+full fp32 copy, 0.4 GB, and its gradients, for the first step)."""
+
+TOLERANCES = {"32-true": 1e-4, "64-true": 1e-4}
+"""Relative tolerance of the loss and the gradient norm per precision; other (16/bf16) precisions: 5e-2. One
+micro-batch through the same operations in another process layout differs by rounding only (about 1e-6 in fp32); a
+wrong cut moves the loss or the norm by far more (a stubbed head gives ln(vocab) at every step)."""
+LOW_PRECISION_TOLERANCE = 5e-2
+
+VerifySetting = Union[bool, str]
+
+
+def check_verify_pipeline(value: Any) -> None:
+    """Refuse anything but ``True``, ``False`` or ``"auto"`` (constructor time, collective-free).
+
+    Example:
+        >>> check_verify_pipeline("auto")
+    """
+    if not (value is True or value is False or value == "auto"):
+        raise HybridConfigError(
+            f"`verify_pipeline` must be True, False or 'auto', got {value!r}. 'auto' compares the first batch with an"
+            f" unsplit forward when the model has at most {AUTO_MAX_PARAMETERS:,} parameters and trains in fp32."
+        )
+
+
+# ---------------------------------------------------------------------------------------------- structural checks
+def _depends_on(output: Tensor, received: Tensor) -> bool:
+    """Whether ``received`` is in the autograd graph of ``output`` (a walk from ``output.grad_fn``)."""
+    if output.grad_fn is None:
+        return False
+    target = received.grad_fn
+    seen: set[Any] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node is target or (target is None and getattr(node, "variable", None) is received):
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
+@dataclass
+class FirstStepChecks:
+    """The structural checks of the first training step on this rank's stages; :meth:`raise_together` shares them."""
+
+    network: nn.Module
+    split: NetworkSplit
+    failures: list[str] = field(default_factory=list)
+    _cut_off: set[int] = field(default_factory=set)
+    """Stages whose output does not depend on their input: their blocks' missing gradients follow from that."""
+    errors: list[BaseException] = field(default_factory=list)
+    """Exceptions a stage's forward raised at the first step (the stage went on with a stand-in, so that no peer
+    waits for it in the schedule's communication)."""
+    _late: dict[int, set[str]] = field(default_factory=dict)
+    _entered: Optional[int] = None
+    _handles: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from lightning_hybrid.pipeline.stage import InputStub
+
+        names = self._module_names()
+        for stage in self.split.local_stages():
+            if stage != 0:
+                first = self.split.blocks[self.split.plan.blocks(stage).start]
+                self._handles.append(first.register_forward_pre_hook(self._enter(stage), prepend=True))
+        for module in self.network.modules():
+            if isinstance(module, InputStub):
+                self._handles.append(module.register_forward_pre_hook(self._stub_called(names.get(id(module), "?"))))
+
+    def _module_names(self) -> dict[int, str]:
+        return {id(m): n for n, m in self.network.named_modules()}
+
+    def _enter(self, stage: int) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._entered = stage
+
+        return hook
+
+    def _stub_called(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._entered is not None:
+                self._late.setdefault(self._entered, set()).add(name)
+
+        return hook
+
+    def begin(self) -> None:
+        """A stage's forward starts: its blocks have not run yet."""
+        self._entered = None
+
+    def check_output(self, stage: int, received: Optional[Tensor], output: Tensor, last: bool) -> None:
+        """Micro-batch 0 of ``stage``: the activation received from the previous stage reaches ``output``."""
+        if received is None or not received.requires_grad:
+            return
+        if _depends_on(output, received):
+            return
+        self._cut_off.add(stage)
+        first = f"{self._blocks_name()}.{self.split.plan.blocks(stage).start}"
+        if last:
+            self.failures.append(
+                f"pipeline stage {stage} (the last): the loss does not depend on the activation received from stage"
+                f" {stage - 1}. A module the loss goes through after the block list is a stand-in on this stage"
+                " (registered before the block list but called after it?), or the block list's hidden state is not"
+                f" the first tensor input of `{first}`."
+            )
+        else:
+            self.failures.append(
+                f"pipeline stage {stage}: its output does not depend on the activation received from stage"
+                f" {stage - 1}: the hidden state of the block list is not the first tensor input of `{first}` (the"
+                " stage substitutes the received activation there), or the blocks are not called one after another."
+            )
+
+    def check_gradients(self, stages: dict[int, nn.Module]) -> None:
+        """After the first step's backward: every parameter of each stage this rank holds got a gradient."""
+        names = {id(p): n for n, p in self.network.named_parameters()}
+        for stage, module in sorted(stages.items()):
+            if stage in self._cut_off:
+                continue
+            missing = [names.get(id(p), "?") for p in module.parameters() if p.requires_grad and p.grad is None]
+            if missing:
+                shown = ", ".join(f"`{n}`" for n in missing[:6]) + (" ..." if len(missing) > 6 else "")
+                self.failures.append(
+                    f"pipeline stage {stage} holds {len(missing)} parameter(s) that got no gradient at the first step:"
+                    f" {shown}. The stage runs the network's forward only between its blocks (the first stage also"
+                    " before them, the last also after them): a module registered before the block list"
+                    f" `{self._blocks_name()}` but called after it, or the other way round, is cut onto the wrong"
+                    " stage. If the parameters are unused on one device too, set `requires_grad=False` on them."
+                )
+        for stage, late in sorted(self._late.items()):
+            self.failures.append(
+                f"pipeline stage {stage}: the forward called {sorted(late)} after the stage's first block, but they"
+                f" are registered before the block list `{self._blocks_name()}`, so the first stage holds them and"
+                " this stage ran a zero stand-in in their place."
+            )
+
+    def _blocks_name(self) -> str:
+        return self._module_names().get(id(self.split.blocks), "blocks")
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def raise_together(self) -> None:
+        """Every rank raises one error listing what any rank found, the same message everywhere (collective over
+        the world: an object all-gather of each rank's findings)."""
+        self.close()
+        found: list[list[str]] = [self.failures]
+        if dist.is_available() and dist.is_initialized():
+            found = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(found, self.failures)
+        # tensor-parallel and data-parallel peers of a stage find the same: each finding once, in stage order
+        failures = sorted(dict.fromkeys(f for rank in found for f in rank), key=_stage_of)
+        if failures:
+            raise HybridConfigError(
+                "The pipeline cut does not fit this network's forward, which would train wrong: "
+                + " ".join(failures)
+                + " Train it without pipeline parallel, or register the modules on the side of the block list where"
+                " the forward calls them."
+            ) from (self.errors[0] if self.errors else None)
+
+    def failed(self, stage: int, error: BaseException) -> None:
+        """``stage``'s forward raised ``error`` at the first step."""
+        if not self.errors:
+            self.failures.append(
+                f"pipeline stage {stage}: the network's forward failed on this stage with {type(error).__name__}:"
+                f" {error} (it reads a module or attribute that another stage holds?)."
+            )
+        self.errors.append(error)
+
+
+def _stage_of(finding: str) -> int:
+    words = finding.split()
+    return int(words[2].rstrip(":")) if len(words) > 2 and words[2].rstrip(":").isdigit() else -1
+
+
+# ---------------------------------------------------------------------------------------------- verify_pipeline
+@dataclass
+class PipelineVerifier:
+    """The unsplit comparison of the first batch (``verify_pipeline``). Every rank takes part in the extra pipeline
+    step; the reference rank (the last stage's, first data-parallel replica, first tensor-parallel rank) holds the
+    copy of the network, runs it and compares."""
+
+    reference: Optional[nn.Module]
+    """The unsplit copy of the network (on the reference rank only)."""
+    data_group: Any
+    pipeline_group: Any
+    tolerance: float
+    reference_rank: int = 0
+    """Global rank of the reference rank."""
+    in_reference_pipeline: bool = False
+    """Whether this rank is in the reference rank's pipeline group (first replica, first tensor-parallel rank)."""
+    sync: Callable[[], None] = lambda: None
+    """Makes the gradients the single-device ones within a replica (tensor-parallel and tied/shared sums)."""
+    duplicates: Callable[[], list[nn.Parameter]] = list
+    """Copies of shared parameters another pipeline rank owns (counted once, on the owner)."""
+    measured: Optional[tuple[float, float]] = None
+    """(pipelined loss, pipelined gradient norm) of the verified micro-batch, on the reference rank."""
+    result: Optional[dict[str, float]] = None
+    """What the reference rank compared: ``loss``, ``reference_loss``, ``norm``, ``reference_norm``."""
+
+    def refresh(self, network: nn.Module) -> None:
+        """Load the split network's current weights into the copy (collective: every rank, same order). The copy
+        was taken at set-up; a checkpoint resumed since, or a hook, may have changed them. Each stage's parameters
+        and buffers are gathered whole over tensor parallel and ZeRO, then sent to the reference rank."""
+        from lightning_hybrid.checkpoint import full_tensor
+        from lightning_hybrid.checkpoint.optimizer import _clean
+
+        mine = {
+            _clean(name): full_tensor(t.detach()).cpu()
+            for name, t in [*network.named_parameters(), *network.named_buffers()]
+        }
+        if not self.in_reference_pipeline:
+            return
+        is_reference = dist.get_rank() == self.reference_rank
+        gathered: Optional[list[Any]] = [None] * dist.get_world_size(self.pipeline_group) if is_reference else None
+        dist.gather_object(mine, gathered, dst=self.reference_rank, group=self.pipeline_group)
+        if not is_reference or self.reference is None:
+            return
+        state = {k: v for part in gathered or [] for k, v in part.items()}
+        own = dict(self.reference.state_dict(keep_vars=True))
+        missing = [k for k, v in own.items() if isinstance(v, nn.Parameter) and k not in state]
+        if missing:
+            import warnings
+
+            # cannot rebuild the unsplit network: no comparison (the structural checks still ran)
+            warnings.warn(
+                f"verify_pipeline: no stage holds {missing[:4]}; the unsplit comparison is skipped.", stacklevel=2
+            )
+            self.reference = None
+            return
+        self.reference.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+    def common_microbatch(self, microbatch: Any) -> Any:
+        """The first data-parallel replica's micro-batch, on every replica (so their gradients agree)."""
+        if dist.get_world_size(self.data_group) == 1:
+            return microbatch
+        payload = [microbatch if dist.get_rank(self.data_group) == 0 else None]
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.data_group, 0), group=self.data_group)
+        return _to_device_like(payload[0], microbatch)
+
+    def gradient_norm(self, module: nn.Module) -> float:
+        """The norm of the gradient the pipeline produced (collective: every rank, same parameter order)."""
+        from torch.distributed.tensor import DTensor
+
+        from lightning_hybrid.checkpoint import full_tensor
+
+        self.sync()
+        skip = {id(p) for p in self.duplicates()}
+        total = torch.zeros((), dtype=torch.float64)
+        seen: set[int] = set()
+        for p in module.parameters():
+            if id(p) in seen or p.grad is None:
+                continue
+            seen.add(id(p))
+            g = p.grad
+            if isinstance(p, DTensor) and not isinstance(g, DTensor):
+                g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            g = full_tensor(g)
+            if id(p) not in skip:
+                total += g.detach().double().pow(2).sum().cpu()
+        device = next(module.parameters()).device
+        total = total.to(device)
+        dist.all_reduce(total, group=self.pipeline_group)
+        return math.sqrt(float(total))
+
+    def reference_values(
+        self, run_step: Callable[[Callable], Tensor], module: nn.Module, network: nn.Module
+    ) -> tuple[float, float]:
+        """Loss and gradient norm of the unsplit copy on the verified micro-batch (``run_step(forward)`` runs the
+        user's step with the network's forward replaced)."""
+        assert self.reference is not None
+        loss = run_step(self.reference.forward)
+        # the copy's parameters, and the module's own outside the network (read by the step itself)
+        params = list({id(p): p for p in self.reference.parameters()}.values())
+        params += [p for p in module.parameters() if id(p) not in {id(q) for q in network.parameters()}]
+        grads = torch.autograd.grad(loss, [p for p in params if p.requires_grad], allow_unused=True)
+        norm = math.sqrt(sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None))
+        return float(loss.detach()), norm
+
+    def compare(self, reference: Optional[tuple[float, float]]) -> None:
+        """Every rank raises if the reference rank found a mismatch (collective over the world)."""
+        with raise_together():
+            if reference is None:
+                return
+            assert self.measured is not None
+            (loss, norm), (ref_loss, ref_norm) = self.measured, reference
+            self.result = {"loss": loss, "reference_loss": ref_loss, "norm": norm, "reference_norm": ref_norm}
+            loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
+            norm_err = abs(norm - ref_norm) / max(abs(ref_norm), 1e-12)
+            if not (loss_err <= self.tolerance and norm_err <= self.tolerance):
+                raise HybridConfigError(
+                    "`verify_pipeline`: the pipelined first micro-batch does not match an unsplit forward of the same"
+                    f" network: loss {loss:.6g} vs {ref_loss:.6g} (relative error {loss_err:.1e}), gradient norm"
+                    f" {norm:.6g} vs {ref_norm:.6g} ({norm_err:.1e}); tolerance {self.tolerance:g}. The stage cut does"
+                    " not fit this network's forward (a module read on a stage that does not hold it?); train it"
+                    " without pipeline parallel, or pass `verify_pipeline=False` only if you know why they differ."
+                )
+        self.reference = None  # the copy is not needed after the first step
+
+    @contextmanager
+    def deterministic(self, *modules: Optional[nn.Module]) -> Generator[None, None, None]:
+        """Both sides in eval mode (no dropout), and the random state put back: the verified step leaves the run as
+        it would have been without it."""
+        flags = [(m, m.training) for module in modules if module is not None for m in module.modules()]
+        cpu_state = torch.get_rng_state()
+        cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        for m, _ in flags:
+            m.training = False
+        try:
+            yield
+        finally:
+            for m, training in flags:
+                m.training = training
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state_all(cuda_state)
+
+
+def _to_device_like(obj: Any, like: Any) -> Any:
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    device = next((t.device for t in _tensors(like)), None)
+    return obj if device is None else apply_to_collection(obj, Tensor, lambda t: t.to(device))
+
+
+def _tensors(obj: Any) -> list[Tensor]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def make_verifier(
+    setting: VerifySetting,
+    module: nn.Module,
+    network: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    precision: str,
+    last_stage_rank: int,
+) -> Optional[PipelineVerifier]:
+    """The verifier for ``verify_pipeline=setting``, or None when it is off. Call before the network is cut (the
+    reference rank copies it then); ``last_stage_rank`` is the pipeline rank that holds the last stage.
+
+    ``"auto"`` is on for fp32 training of a model of at most :data:`AUTO_MAX_PARAMETERS` parameters whose
+    ``configure_model`` did not already split it (a split copy could not run unsplit on one rank); ``True`` refuses
+    the latter instead.
+
+    Example:
+        >>> # verifier = make_verifier("auto", module, module.model, mesh, precision="32-true", last_stage_rank=1)
+    """
+    from torch.distributed.tensor import DTensor
+
+    check_verify_pipeline(setting)
+    if setting is False:
+        return None
+    user_split = any(isinstance(p, DTensor) for p in module.parameters())
+    size = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    if setting == "auto" and (user_split or size > AUTO_MAX_PARAMETERS or precision not in TOLERANCES):
+        return None
+    coordinates = {name: mesh[name].get_local_rank() for name in ("pipeline", "data", "tensor")}
+    is_reference = coordinates == {"pipeline": last_stage_rank, "data": 0, "tensor": 0}
+    reference_rank = int(mesh.mesh[last_stage_rank, 0, 0])
+    # the LightningModule may be the network: its trainer and mesh are shared, not copied
+    memo = {id(v): v for v in (getattr(module, "_trainer", None), getattr(module, "_device_mesh", None)) if v}
+    return PipelineVerifier(
+        reference=copy.deepcopy(network, memo) if is_reference else None,
+        data_group=mesh["data"].get_group(),
+        pipeline_group=mesh["pipeline"].get_group(),
+        tolerance=TOLERANCES.get(precision, LOW_PRECISION_TOLERANCE),
+        reference_rank=reference_rank,
+        in_reference_pipeline=coordinates["data"] == 0 and coordinates["tensor"] == 0,
+    )
