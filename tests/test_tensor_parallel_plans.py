@@ -31,7 +31,12 @@ def scenario(family: str, strategy: dict[str, Any], **extra: Any) -> dict[str, A
 PARITY = [scenario(family, {"tensor_parallel_size": 2}) for family in ("phi3", "mixtral", "qwen3", "gpt_neox")]
 # torch's nn.TransformerEncoder: the MLP (linear1 -> linear2) is found by data flow, attention stays replicated
 PARITY.append({**scenario("x", {"tensor_parallel_size": 2}), "name": "torch-encoder-tp2", "model": "torch-encoder"})
-share(2, PARITY)
+# litgpt's GPT (tests/foreign_models.py): Pythia-style attention (4 query groups of 4 heads: equal q|k|v) splits;
+# Llama-style grouped-query attention (2 groups) holds unequal q|k|v parts in its fused qkv and is refused
+PARITY.append({**scenario("x", {"tensor_parallel_size": 2}), "name": "litgpt-pythia-tp2", "model": "litgpt_pythia",
+               "model_kwargs": {"n_layer": 2}})  # fmt: skip
+ERRORS = [{**PARITY[-1], "name": "error-litgpt-llama-tp2", "model": "litgpt_llama", "expect_error": True}]
+share(2, PARITY + ERRORS)
 
 
 @pytest.fixture(scope="session")
@@ -40,14 +45,14 @@ def group2(shared_groups):
 
 
 @functools.cache
-def _reference(model: str) -> dict[str, Any]:
-    return run_reference({**PARITY[0], "model": model})
+def _reference(name: str) -> dict[str, Any]:
+    return run_reference(next(s for s in PARITY if s["name"] == name))
 
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("case", PARITY, ids=[s["name"] for s in PARITY])
 def test_declared_hugging_face_plans_train_like_one_device(group2, case: dict[str, Any]) -> None:
-    result, reference = group2.get(case["name"]), _reference(case["model"])
+    result, reference = group2.get(case["name"]), _reference(case["name"])
     assert result["layout"]["tensor_parallel_size"] == 2
     for step, (got, want) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
         assert abs(got - want) / abs(want) <= TOL, f"step {step}: loss {got} vs one device {want}"
@@ -59,6 +64,13 @@ def test_declared_hugging_face_plans_train_like_one_device(group2, case: dict[st
     # the plan really split the blocks: each rank holds less than the whole model
     total = sum(p.numel() for p in reference["params"].values())
     assert all(record["local_numel"] < total for record in result["per_rank"])
+
+
+def test_grouped_query_fused_attention_is_refused_on_every_rank(group2) -> None:
+    messages = group2.expected_errors("error-litgpt-llama-tp2")
+    assert len(messages) == 2, f"expected the error on both ranks, got {messages}"
+    assert len(set(messages)) == 1 and messages[0].startswith("HybridConfigError"), messages
+    assert "is split as 3 equal fused blocks" in messages[0] and "n_query_groups=2" in messages[0], messages[0]
 
 
 # ------------------------------------------------------------------------------------------------ single process
