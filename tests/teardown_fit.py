@@ -9,7 +9,11 @@ from __future__ import annotations
 import atexit
 import json
 import sys
+import weakref
 from pathlib import Path
+from typing import Any, Optional
+
+_world: Optional[weakref.ref[Any]] = None  # the default group, which the results below are gathered over
 
 
 def _left_alive() -> None:
@@ -18,6 +22,11 @@ def _left_alive() -> None:
 
     if dist.is_available() and dist.is_initialized():
         sys.stderr.write("LEFT ALIVE: process groups still exist when the interpreter finalizes\n")
+    elif _world is not None and _world() is not None:
+        # destroyed but still referenced (by this script's trainer and module, as a user's script holds them): gloo
+        # stops its threads only when the group is freed, so they would still run into finalization, where a worker
+        # releasing the gather's tensors aborts the process at random
+        sys.stderr.write("LEFT ALIVE: the default process group is still referenced when the interpreter finalizes\n")
 
 
 atexit.register(_left_alive)
@@ -37,6 +46,7 @@ loader = torch.utils.data.DataLoader(make_dataset(), batch_size=spec.get("batch_
 trainer.fit(module, train_dataloaders=loader)
 if spec.get("save"):
     trainer.save_checkpoint(spec["save"])
+_world = weakref.ref(torch.distributed.group.WORLD)
 losses: list = [None] * torch.distributed.get_world_size()
 torch.distributed.all_gather_object(losses, float(trainer.callback_metrics.get("train_loss", 0.0)))
 if trainer.global_rank == 0:
