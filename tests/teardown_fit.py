@@ -1,5 +1,6 @@
 """Run by tests/test_teardown.py as a user runs a script: ``python tests/teardown_fit.py SPEC_JSON`` with
-``Trainer(devices=N)`` (Lightning starts the other ranks by running the same command again). It fits, then gathers a
+``Trainer(devices=N)`` (Lightning starts the other ranks by running the same command again), or on every rank at once
+with ``LOCAL_RANK`` and the rendezvous address set, as a cluster launcher starts it. It fits, then gathers a
 result over all ranks and prints it on rank 0: a collective right before the interpreter exits, as in a script that
 writes its results, is what leaves gloo's worker threads busy at exit.
 """
