@@ -38,11 +38,29 @@ def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: Optiona
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (layout.pipeline_parallel_size, layout.data_parallel_size, layout.tensor_parallel_size)
-    override = None
+    override = _own_groups(shape) or {}
     if timeout is not None:
-        # a dimension spanning the world reuses the default group (which has the timeout already): no override there
-        override = {n: _options(timeout) for n, size in zip(MESH_DIM_NAMES, shape) if size < layout.world_size}
+        # every dimension's groups get the timeout (DeviceMesh would give them torch's 30-minute default); a dimension
+        # spanning the world under NCCL reuses the default group, which has it already
+        for name, size in zip(MESH_DIM_NAMES, shape):
+            if size < layout.world_size or name in override:
+                override[name] = _options(timeout)
     return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES, backend_override=override or None)
+
+
+def _own_groups(shape: tuple[int, ...]) -> Optional[dict[str, str]]:
+    """A gloo group of its own for each mesh dimension that spans all ranks, which DeviceMesh would otherwise give the
+    default group itself. The default group is the one a script's last collective runs on (results gathered after
+    ``fit``), and the mesh's groups live on in pipeline stages, FSDP state and metrics after ``fit``: aliased, the
+    default group outlives ``destroy_process_group`` (gloo's ``shutdown`` does nothing; only its destructor stops its
+    threads), and a gloo worker still releasing that last collective's tensors when the interpreter finalizes takes
+    the GIL there and aborts the process ("terminate called without an active exception"). With groups of their own,
+    the default group is freed, and its threads joined, when the groups are destroyed at exit. NCCL's ``shutdown``
+    stops its communicators, so NCCL dimensions keep the default group (and save a communicator)."""
+    world = dist.get_world_size()
+    if world == 1 or dist.get_backend() != "gloo":
+        return None
+    return {name: "gloo" for name, size in zip(MESH_DIM_NAMES, shape) if size == world} or None
 
 
 def _options(timeout: timedelta) -> tuple[str, Any]:

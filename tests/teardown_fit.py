@@ -1,5 +1,6 @@
 """Run by tests/test_teardown.py as a user runs a script: ``python tests/teardown_fit.py SPEC_JSON`` with
-``Trainer(devices=N)`` (Lightning starts the other ranks by running the same command again). It fits, then gathers a
+``Trainer(devices=N)`` (Lightning starts the other ranks by running the same command again), or on every rank at once
+with ``LOCAL_RANK`` and the rendezvous address set, as a cluster launcher starts it. It fits, then gathers a
 result over all ranks and prints it on rank 0: a collective right before the interpreter exits, as in a script that
 writes its results, is what leaves gloo's worker threads busy at exit.
 """
@@ -9,7 +10,11 @@ from __future__ import annotations
 import atexit
 import json
 import sys
+import weakref
 from pathlib import Path
+from typing import Any, Optional
+
+_world: Optional[weakref.ref[Any]] = None  # the default group, which the results below are gathered over
 
 
 def _left_alive() -> None:
@@ -18,6 +23,11 @@ def _left_alive() -> None:
 
     if dist.is_available() and dist.is_initialized():
         sys.stderr.write("LEFT ALIVE: process groups still exist when the interpreter finalizes\n")
+    elif _world is not None and _world() is not None:
+        # destroyed but still referenced (by this script's trainer and module, as a user's script holds them): gloo
+        # stops its threads only when the group is freed, so they would still run into finalization, where a worker
+        # releasing the gather's tensors aborts the process at random
+        sys.stderr.write("LEFT ALIVE: the default process group is still referenced when the interpreter finalizes\n")
 
 
 atexit.register(_left_alive)
@@ -37,6 +47,7 @@ loader = torch.utils.data.DataLoader(make_dataset(), batch_size=spec.get("batch_
 trainer.fit(module, train_dataloaders=loader)
 if spec.get("save"):
     trainer.save_checkpoint(spec["save"])
+_world = weakref.ref(torch.distributed.group.WORLD)
 losses: list = [None] * torch.distributed.get_world_size()
 torch.distributed.all_gather_object(losses, float(trainer.callback_metrics.get("train_loss", 0.0)))
 if trainer.global_rank == 0:

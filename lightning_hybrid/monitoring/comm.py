@@ -450,7 +450,7 @@ class CommunicationMeter:
         self._stats: dict[Key, Stat] = defaultdict(Stat)
         self._lock = threading.Lock()
         self._mode: Optional[_FunctionalCollectiveMode] = None
-        self._group_names: dict[Any, str] = {}
+        self._group_names: dict[str, str] = {}  # group name -> mesh dimension
         self._rank_sets: list[tuple[frozenset[int], str]] = []
         self._active = False
 
@@ -518,6 +518,8 @@ class CommunicationMeter:
             stat.seconds += seconds
 
     def _index_groups(self) -> None:
+        # keyed by group name, never by the group: a meter lives as long as its callback, and a process group held
+        # past ``destroy_process_group`` keeps its gloo threads running into interpreter exit (see topology.py)
         self._group_names.clear()
         self._rank_sets.clear()
         if not (dist.is_available() and dist.is_initialized()):
@@ -526,34 +528,29 @@ class CommunicationMeter:
         if mesh is not None and mesh.mesh_dim_names:
             for name in mesh.mesh_dim_names:
                 group = mesh.get_group(name)
-                self._group_names[group] = name
                 self._group_names[group.group_name] = name
                 # a 1-rank dimension is never a transport; larger ones first so a peer finds its real dimension
                 self._rank_sets.append((frozenset(dist.get_process_group_ranks(group)), name))
-        world = dist.group.WORLD
-        self._group_names.setdefault(world, "world")
-        self._group_names.setdefault(world.group_name, "world")
+        self._group_names.setdefault(dist.group.WORLD.group_name, "world")
         self._rank_sets.sort(key=lambda item: len(item[0]))
 
     def _dimension_of(self, group: Any, peer: Optional[int] = None) -> str:
         if group is None or group is dist.GroupMember.WORLD:
             group = dist.group.WORLD
-        name = self._group_names.get(group)
-        if name is None and isinstance(group, str):
-            try:
-                from torch.distributed.distributed_c10d import _resolve_process_group
-
-                group = _resolve_process_group(group)
-            except Exception:
-                return "other"
-            name = self._group_names.get(group)
+        key = group if isinstance(group, str) else getattr(group, "group_name", None)
+        name = self._group_names.get(key) if key is not None else None
         if name is None:
             try:
+                if isinstance(group, str):
+                    from torch.distributed.distributed_c10d import _resolve_process_group
+
+                    group = _resolve_process_group(group)
                 ranks = frozenset(dist.get_process_group_ranks(group))
             except Exception:
                 return "other"
             name = next((n for s, n in self._rank_sets if s == ranks), "other")
-            self._group_names[group] = name
+            if key is not None:
+                self._group_names[key] = name
         if name == "world" and peer is not None:
             # a send/recv on the default group: the smallest mesh dimension holding both ranks names the link
             me = dist.get_rank()
