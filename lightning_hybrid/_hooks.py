@@ -15,6 +15,17 @@ from torch import nn
 HIDDEN_KWARGS = ("hidden_states", "x", "hidden", "input", "inputs_embeds")
 
 
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj`` and in its lists, tuples and dicts, in order (a forward's arguments or outputs)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_in(v)]
+    return []
+
+
 def first_tensor(args: tuple, kwargs: dict) -> Optional[tuple[Union[str, int], torch.Tensor]]:
     """Where the hidden state is: the first positional tensor, else a conventionally named keyword."""
     for i, a in enumerate(args):

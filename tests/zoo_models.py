@@ -27,21 +27,10 @@ COMMON = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_att
           "tie_word_embeddings": False}  # fmt: skip
 
 
-class HFCausalLM(L.LightningModule):
-    """Any transformers causal LM family from a config, trained from scratch on the test corpus."""
+class _NextTokenLM(L.LightningModule):
+    """Next-token cross-entropy and AdamW, as a one-device training script writes them."""
 
-    def __init__(self, family: str, learning_rate: float = 1e-4, **config: Any) -> None:
-        super().__init__()
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        self.save_hyperparameters()
-        kwargs = {**COMMON, **FAMILIES[family], **config}
-        config = AutoConfig.for_model(family, **kwargs)
-        self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-        self.example_input_array = torch.zeros(2, 16, dtype=torch.long)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids).logits
+    learning_rate: float
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -51,16 +40,34 @@ class HFCausalLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate, weight_decay=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, weight_decay=0.1)
 
 
-class TorchEncoderLM(L.LightningModule):
+class HFCausalLM(_NextTokenLM):
+    """Any transformers causal LM family from a config, trained from scratch on the test corpus."""
+
+    def __init__(self, family: str, learning_rate: float = 1e-4, **config: Any) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.save_hyperparameters()
+        self.learning_rate = learning_rate
+        kwargs = {**COMMON, **FAMILIES[family], **config}
+        config = AutoConfig.for_model(family, **kwargs)
+        self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        self.example_input_array = torch.zeros(2, 16, dtype=torch.long)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+
+class TorchEncoderLM(_NextTokenLM):
     """A language model built from torch's own ``nn.TransformerEncoder`` (causal mask, pre-norm): no layer name of
     the tensor-parallel names table, and attention inside ``nn.MultiheadAttention``'s fused kernel call."""
 
     def __init__(self, vocab_size: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, lr: float = 1e-4) -> None:
         super().__init__()
-        self.lr = lr
+        self.learning_rate = lr
         self.embed = nn.Embedding(vocab_size, dim)
         # no biases: the key bias's true gradient is zero, and Adam turns its rounding noise into full steps
         layer = nn.TransformerEncoderLayer(
@@ -73,16 +80,6 @@ class TorchEncoderLM(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask = nn.Transformer.generate_square_subsequent_mask(x.size(1))
         return self.head(self.encoder(self.embed(x), mask=mask, is_causal=True))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 def build_zoo_module(model: str, **kwargs: Any) -> Optional[L.LightningModule]:

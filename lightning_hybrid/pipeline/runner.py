@@ -26,6 +26,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_hybrid._hooks import tensors_in
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageModule
@@ -390,7 +391,7 @@ class PipelineRunner:
 
     def _schedule(self, training: bool, m: int, captured: tuple[tuple, dict]) -> Any:
         # keyed by the network inputs' shapes, so the activation probe runs only when they change
-        shapes = tuple((tuple(t.shape), t.dtype) for t in _tensors(captured))
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors_in(captured))
         key = (training, m, shapes, torch.is_autocast_enabled(self.device.type))
         if key in self._cache:
             return self._cache[key]
@@ -557,16 +558,6 @@ def _scalar_means(
                 return None
         means.append((torch.cat(column).sum() / len(column)) if len(column) > 1 else column[0].reshape(()))
     return means
-
-
-def _tensors(obj: Any) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_hybrid._hooks import tensors_in
 from lightning_hybrid.agreement import raise_together
 from lightning_hybrid.config import HybridConfigError
 
@@ -370,18 +371,8 @@ class PipelineVerifier:
 def _to_device_like(obj: Any, like: Any) -> Any:
     from lightning_utilities.core.apply_func import apply_to_collection
 
-    device = next((t.device for t in _tensors(like)), None)
+    device = next((t.device for t in tensors_in(like)), None)
     return obj if device is None else apply_to_collection(obj, Tensor, lambda t: t.to(device))
-
-
-def _tensors(obj: Any) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def make_verifier(

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_hybrid._hooks import tensors_in
 from lightning_hybrid.config import HybridConfigError
 
 __all__ = ["BlockPlan", "discover_block_plan"]
@@ -49,16 +50,6 @@ def _is_projection(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 class _DataFlow(TorchFunctionMode):
     """Propagates, through every torch function, the set of projections each tensor was computed from."""
 
@@ -75,14 +66,14 @@ class _DataFlow(TorchFunctionMode):
 
     def sources_of(self, value: Any) -> frozenset[str]:
         found: frozenset[str] = frozenset()
-        for t in _tensors(value):
+        for t in tensors_in(value):
             found |= self.sources.get(id(t), frozenset())
         return found
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if args and isinstance(args[0], Tensor) and id(args[0]) in self.produced_by and _tensors(out):
+        if args and isinstance(args[0], Tensor) and id(args[0]) in self.produced_by and tensors_in(out):
             name, fname = self.produced_by[id(args[0])], getattr(func, "__name__", "")
             if fname in _PASS_THROUGH and isinstance(out, Tensor) and out.shape == args[0].shape:
                 self.produced_by[id(out)] = name  # still the projection's output, as far as its layout goes
@@ -91,7 +82,7 @@ class _DataFlow(TorchFunctionMode):
                 self.first_use[name] = _describe_use(fname, args[0], out)
         sources = self.sources_of((args, kwargs))
         if sources:
-            for t in _tensors(out):
+            for t in tensors_in(out):
                 self.mark(t, sources)
         return out
 
@@ -99,7 +90,7 @@ class _DataFlow(TorchFunctionMode):
 def _describe_use(func: str, tensor: Tensor, out: Any) -> tuple[str, Any]:
     """How a projection's output is first consumed: ("heads", n), ("split", sizes), or ("other", func)."""
     features = tensor.shape[-1]
-    outs = _tensors(out)
+    outs = tensors_in(out)
     if func in _RESHAPES and outs and outs[0].dim() > tensor.dim():
         shape = outs[0].shape
         if shape[-2] * shape[-1] == features and shape[-2] > 1:
@@ -147,13 +138,13 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
     handles = []
 
     def on_block_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        first = next(iter(_tensors((args, kwargs))), None)
+        first = next(iter(tensors_in((args, kwargs))), None)
         width.append(int(first.shape[-1]) if first is not None else -1)
 
     def on_projection(name: str) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             inputs.setdefault(name, flow.sources_of(args))
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 flow.mark(t, frozenset({name}))
                 flow.produced_by[id(t)] = name
 
@@ -166,7 +157,7 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
         if id(module) in names:
             fed_by.setdefault(names[id(module)], flow.sources_of(args))
         if width and _is_full_width_norm(module, width[0]):
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 flow.mark(t, frozenset())
 
     def stop(module: nn.Module, args: tuple, output: Any) -> None:
@@ -179,7 +170,7 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
         handles.append(module.register_forward_hook(on_module))
     handles.append(block.register_forward_hook(stop))
     device = next((p.device for p in root.parameters()), torch.device("cpu"))
-    example = [t.to(device) for t in _tensors(example_input)] if not isinstance(example_input, Tensor) else None
+    example = [t.to(device) for t in tensors_in(example_input)] if not isinstance(example_input, Tensor) else None
     # the forward must leave no trace: random streams (dropout) and buffers (running statistics) are put back
     buffers = {name: b.detach().clone() for name, b in root.named_buffers()}
     try:
