@@ -106,6 +106,8 @@ class FirstStepChecks:
     _late: dict[int, set[str]] = field(default_factory=dict)
     _entered: Optional[int] = None
     _handles: list[Any] = field(default_factory=list)
+    _received: set[int] = field(default_factory=set)
+    """Parameters a gradient reached in backward: gradient buckets and fp32 masters take ``p.grad`` away at once."""
 
     def __post_init__(self) -> None:
         from lightning_hybrid.pipeline.stage import InputStub
@@ -115,6 +117,9 @@ class FirstStepChecks:
             if stage != 0:
                 first = self.split.blocks[self.split.plan.blocks(stage).start]
                 self._handles.append(first.register_forward_pre_hook(self._enter(stage), prepend=True))
+        for p in self.network.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda p: self._received.add(id(p))))
         for module in self.network.modules():
             if isinstance(module, InputStub):
                 self._handles.append(module.register_forward_pre_hook(self._stub_called(names.get(id(module), "?"))))
@@ -167,7 +172,11 @@ class FirstStepChecks:
         for stage, module in sorted(stages.items()):
             if stage in self._cut_off:
                 continue
-            missing = [names.get(id(p), "?") for p in module.parameters() if p.requires_grad and p.grad is None]
+            missing = [
+                names.get(id(p), "?")
+                for p in module.parameters()
+                if p.requires_grad and p.grad is None and id(p) not in self._received
+            ]
             if missing:
                 shown = ", ".join(f"`{n}`" for n in missing[:6]) + (" ..." if len(missing) > 6 else "")
                 self.failures.append(
