@@ -345,8 +345,14 @@ def test_auto_plan_that_finds_nothing_asks_for_a_plan():
             self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
 
     net = nn.Sequential(nn.Linear(4, 8), nn.ModuleList([Block(), Block()]))
-    match = r"`tensor_parallel_plan='auto'` found no Linear layer it knows how to split"
+    # neither the names table nor (without an example input) the data flow can tell: the error asks for a plan
+    match = r"`tensor_parallel_plan='auto'` could not tell the split layers .* no `example_input_array`.* give a plan"
     with pytest.raises(HybridConfigError, match=match):
+        plan_for(net)
+    # with an example input, the data flow finds no projection feeding another (a and b are never called)
+    net.example_input_array = torch.zeros(2, 4)
+    net.forward = lambda x: net[1][0].a(net[0](x))
+    with pytest.raises(HybridConfigError, match=r"found no pair of projections to split in '1.0'.*Give a plan"):
         plan_for(net)
 
 
