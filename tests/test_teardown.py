@@ -86,26 +86,35 @@ BAD = ("terminate called", "LEFT ALIVE", "Traceback")
 
 @pytest.mark.timeout(3600)  # about 3 min on an idle 2-core machine; much more when it is shared
 def test_short_fits_in_a_row_exit_cleanly(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
     failures = []
     started = time.monotonic()
-    for i, layout in enumerate(ORDER):
-        spec = LAYOUTS[layout]
+
+    def fit(i: int) -> tuple[dict[str, Any], Path, bool, Any]:
+        spec = LAYOUTS[ORDER[i]]
         directory = tmp_path / f"{i:02d}-{spec['name']}"
         directory.mkdir()
+        # Lightning starts the other ranks in half of the runs (the way the abort was seen: pp2 first), all ranks
+        # start at once in the others; each layout both ways
+        external = (i + i // (len(LAYOUTS) - 1)) % 2 == 1
         try:
-            # Lightning starts the other ranks in half of the runs (the way the abort was seen: pp2 first), all ranks
-            # start at once in the others; each layout both ways
-            external = (i + i // (len(LAYOUTS) - 1)) % 2 == 1
-            proc = _run(spec, directory, timeout=600, external=external)
+            return spec, directory, external, _run(spec, directory, timeout=600, external=external)
         except subprocess.TimeoutExpired as error:
-            failures.append(f"run {i} ({spec['name']}): no exit within {error.timeout} s (a hang)")
-            continue
-        how = "all at once" if external else "Lightning-launched"
-        print(f"run {i} ({spec['name']}, {how}): exit {proc.returncode} at {time.monotonic() - started:.0f} s")
-        if proc.returncode != 0 or "RESULT" not in proc.stdout or any(m in proc.stderr for m in BAD):
-            failures.append(f"run {i} ({spec['name']}): exit {proc.returncode}\n{proc.stderr[-3000:]}")
-        elif spec.get("save") and not (directory / f"{spec['name']}.ckpt" / ".metadata").is_file():
-            failures.append(f"run {i} ({spec['name']}): the background save after fit was not committed before exit")
+            return spec, directory, external, error
+
+    # two fits at a time: a fit's ranks mostly wait on each other's start-up, and the load is what the abort needs
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for i, (spec, directory, external, proc) in enumerate(pool.map(fit, range(RUNS))):
+            if isinstance(proc, subprocess.TimeoutExpired):
+                failures.append(f"run {i} ({spec['name']}): no exit within {proc.timeout} s (a hang)")
+                continue
+            how = "all at once" if external else "Lightning-launched"
+            print(f"run {i} ({spec['name']}, {how}): exit {proc.returncode} at {time.monotonic() - started:.0f} s")
+            if proc.returncode != 0 or "RESULT" not in proc.stdout or any(m in proc.stderr for m in BAD):
+                failures.append(f"run {i} ({spec['name']}): exit {proc.returncode}\n{proc.stderr[-3000:]}")
+            elif spec.get("save") and not (directory / f"{spec['name']}.ckpt" / ".metadata").is_file():
+                failures.append(f"run {i} ({spec['name']}): the background save after fit was not committed at exit")
     seconds = time.monotonic() - started
     assert not failures, f"{len(failures)} of {RUNS} runs did not exit cleanly ({seconds:.0f} s):\n" + "\n".join(
         failures

@@ -132,7 +132,9 @@ class _Writer(FileSystemWriter):
         files: dict[str, list[Any]] = {}
         for rank_results in results:
             files.update(getattr(rank_results, "digests", {}))
-        unhashed = {info.relative_path for info in metadata.storage_data.values()} - files.keys()
+        # the files from the write results themselves: torch 2.11's `finish` fills a copy of `metadata`, not it
+        written = {result.storage_data.relative_path for rank_results in results for result in rank_results}
+        unhashed = written - files.keys()
         if unhashed:  # a writer path that bypassed write_data: refuse to commit what cannot be verified
             raise CheckpointError(f"no hash was reported for {sorted(unhashed)}")
         files[METADATA_FILENAME] = list(file_digest(self._staging / METADATA_FILENAME))
