@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_hybrid._torch_compat import group_options
 from lightning_hybrid.config import ParallelLayout
 
 __all__ = [
@@ -66,9 +67,7 @@ def _own_groups(shape: tuple[int, ...]) -> Optional[dict[str, str]]:
 def _options(timeout: timedelta) -> tuple[str, Any]:
     """(backend, options with ``timeout``) for a mesh dimension's groups, on the default group's backend."""
     backend = dist.get_backend()
-    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    return backend, options
+    return backend, group_options(backend, timeout)
 
 
 # Lightning's ModelParallelStrategy names its mesh ("data_parallel", "tensor_parallel"); a module written for it slices

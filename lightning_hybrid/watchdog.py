@@ -37,9 +37,9 @@ import traceback
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-import torch
 import torch.distributed as dist
 
+from lightning_hybrid._torch_compat import flight_recorder_dumper
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.monitoring.comm import P2PObserver, observe_p2p_waits
 
@@ -491,9 +491,7 @@ def _oldest(state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
 
 def _flight_recorder_dump(backend: str) -> Optional[dict[str, Any]]:
     """This process's flight-recorder record (JSON), or None where this torch has no dump for the backend."""
-    c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_nccl_trace_json", None) if backend == "nccl" else None
-    dump = dump or getattr(c10d, "_dump_fr_trace_json", None)
+    dump = flight_recorder_dumper(backend)
     if dump is None:
         return None
     try:

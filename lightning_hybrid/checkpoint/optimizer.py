@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightning_hybrid._torch_compat import WRAPPER_PREFIXES
+from lightning_hybrid.dtensor import like, local_tensor
 
 if TYPE_CHECKING:
     from lightning_hybrid.sharding import ShardedOptimizer
@@ -29,29 +31,16 @@ if TYPE_CHECKING:
 __all__ = ["HYPERPARAMETERS_KEY", "optimizer_load_targets", "optimizer_state"]
 
 HYPERPARAMETERS_KEY = "param_groups"
-# module wrappers that torch inserts into parameter names but not into state-dict keys
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
 
 def _clean(name: str) -> str:
-    for part in _WRAPPER_PARTS:
+    for part in WRAPPER_PREFIXES:  # torch's module wrappers, absent from state-dict keys
         name = name.replace(part, "")
     return name
 
 
 def _names(module: nn.Module) -> dict[int, str]:
     return {id(p): _clean(n) for n, p in module.named_parameters()}
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _like(local: Tensor, p: Tensor) -> Tensor:
-    """``local`` (shaped like ``p``'s local tensor) as a tensor laid out like ``p``: its DTensor placements, if any."""
-    if isinstance(p, DTensor):
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    return local
 
 
 def _hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
@@ -65,7 +54,7 @@ def _is_vector(value: Any) -> bool:
 def _ranges(group: Any) -> list[tuple[nn.Parameter, int, int]]:
     out, offset = [], 0
     for p in group.params:
-        n = _local(p).numel()
+        n = local_tensor(p).numel()
         out.append((p, offset, offset + n))
         offset += n
     return out
@@ -128,7 +117,7 @@ def _zero_state(module: nn.Module, zero: ShardedOptimizer) -> dict[str, Any]:
                             flat[lo - a : hi - a] = v[lo - base : hi - base]
                         else:
                             dist.recv(flat[lo - a : hi - a], dist.get_global_rank(zero.group, q), group=zero.group)
-                gathered[stat] = _like(flat.view(_local(p).shape), p)
+                gathered[stat] = like(flat.view(local_tensor(p).shape), p)
             name = names[id(p)]
             master[name] = gathered.pop("master")
             state[name] = {**gathered, **scalars}
@@ -245,12 +234,12 @@ def _zero_targets(
                     else:
                         missing.append(f"optimizer state `{stat}` of parameter `{name}`")
                     continue
-                shape = _local(p).shape
+                shape = local_tensor(p).shape
                 if (lo, hi) == (a, b):
-                    targets[key] = _like(v[lo - base : hi - base].view(shape), p)  # in place
+                    targets[key] = like(v[lo - base : hi - base].view(shape), p)  # in place
                 else:
                     temporary = v.new_empty(shape)
-                    targets[key] = _like(temporary, p)
+                    targets[key] = like(temporary, p)
                     copies.append((v[lo - base : hi - base], temporary.view(-1)[lo - a : hi - a]))
                 describe[key] = f"`{stat}` of parameter `{name}` ({prefix})"
         for stat, value in flat_state.items():
@@ -268,7 +257,7 @@ def _zero_targets(
         for destination, source in copies:
             destination.copy_(source)
         for destination, p, lo, hi in rebuild:
-            destination.copy_(_local(p).reshape(-1)[lo:hi])
+            destination.copy_(local_tensor(p).reshape(-1)[lo:hi])
         for state, stat, key in scalar_reads:
             value = loaded[key]
             if isinstance(state[stat], Tensor):

@@ -17,11 +17,10 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_hybrid._torch_compat import compute_local_shape_and_global_offset, is_strided_shard
+from lightning_hybrid.dtensor import like
+
 __all__ = ["LoadPlan", "conflicting_entries", "dcp_ready", "full_tensor", "plan_load"]
-
-
-def _is_strided(placement: Any) -> bool:
-    return type(placement).__name__ == "_StridedShard"
 
 
 def _fused_index(t: DTensor) -> Optional[int]:
@@ -29,7 +28,7 @@ def _fused_index(t: DTensor) -> Optional[int]:
     sharding the same tensor dimension). FSDP2's own ``_StridedShard`` over data, under a tensor-parallel ``Shard`` of
     the same dimension, is an ordinary contiguous chunk that DCP handles itself."""
     for i, p in enumerate(t.placements):
-        if _is_strided(p) and not any(q.is_shard(p.dim) for q in t.placements[i + 1 :]):
+        if is_strided_shard(p) and not any(q.is_shard(p.dim) for q in t.placements[i + 1 :]):
             return i
     return None
 
@@ -100,7 +99,7 @@ def _at_offset_zero(t: DTensor) -> DTensor:
     storage = local.untyped_storage()
     start = local.storage_offset() * local.element_size()
     alias = local.new_empty(0).set_(storage[start:], 0, local.shape, local.stride())
-    return DTensor.from_local(alias, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return like(alias, t)
 
 
 def dcp_ready(tree: Any) -> Any:
@@ -199,8 +198,6 @@ def _copy_local_part(full: Tensor, target: Union[Tensor, DTensor]) -> None:
     if not isinstance(view, DTensor):
         view.copy_(whole)
         return
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     sizes, offsets = compute_local_shape_and_global_offset(view.shape, view.device_mesh, view.placements)
     piece = whole
     for dim, (size, offset) in enumerate(zip(sizes, offsets)):
@@ -231,8 +228,6 @@ def _piece(value: Tensor) -> tuple[tuple[int, ...], Tensor]:
     """(global offset of this rank's piece, the piece) of a tensor DCP will write."""
     if not isinstance(value, DTensor):
         return (0,) * value.dim(), value
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     return tuple(offsets), value.to_local()
 

@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_hybrid._torch_compat import (
+    AsyncCollectiveTensor,
+    TorchDispatchMode,
+    c10d_namespaces,
+    op_name,
+    resolve_process_group,
+)
+from lightning_hybrid.dtensor import local_bytes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -54,7 +62,7 @@ class Stat:
 
 def _nbytes(tensor: Any) -> int:
     if isinstance(tensor, torch.Tensor):
-        return tensor.numel() * tensor.element_size()
+        return local_bytes(tensor)
     if isinstance(tensor, (list, tuple)):
         return sum(_nbytes(t) for t in tensor)
     return 0
@@ -329,7 +337,8 @@ def _batch_p2p(p2p: Any) -> Optional[P2P]:
 
 
 def _install() -> None:
-    import torch.distributed.distributed_c10d as c10d
+    namespaces = c10d_namespaces()
+    c10d = namespaces[0]
 
     # Both namespaces: torch's own helpers call the module globals (all_gather_object -> all_gather), users and
     # Lightning call torch.distributed.*.
@@ -338,11 +347,11 @@ def _install() -> None:
         if original is None:
             continue
         patched = _Patched(name, original)
-        for module in (c10d, dist):
+        for module in namespaces:
             if getattr(module, name, None) is original:
                 _State.originals[(module, name)] = original
                 setattr(module, name, patched)
-    for module in (c10d, dist):
+    for module in namespaces:
         original = getattr(module, "batch_isend_irecv", None)
         if original is not None:
             _State.originals[(module, "batch_isend_irecv")] = original
@@ -369,7 +378,6 @@ def _functional_group(name: str, args: tuple) -> Any:
 
 
 def _deferred_subclasses() -> tuple[type, ...]:
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 
     return (DTensor, AsyncCollectiveTensor)
@@ -399,7 +407,7 @@ class _FunctionalCollectiveMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(t in _DEFERRED for t in types):
             return NotImplemented
-        name = func._opname
+        name = op_name(func)
         collective = name in self.COLLECTIVES or name == "wait_tensor"
         if getattr(func, "namespace", "") not in self.NAMESPACES or not collective:
             return func(*args, **kwargs)
@@ -529,7 +537,8 @@ class CommunicationMeter:
             for name in mesh.mesh_dim_names:
                 group = mesh.get_group(name)
                 self._group_names[group.group_name] = name
-                # a 1-rank dimension is never a transport; larger ones first so a peer finds its real dimension
+                # a 1-rank dimension is never a transport; sorted smallest first below, so a peer's link is the
+                # smallest dimension holding both ranks
                 self._rank_sets.append((frozenset(dist.get_process_group_ranks(group)), name))
         self._group_names.setdefault(dist.group.WORLD.group_name, "world")
         self._rank_sets.sort(key=lambda item: len(item[0]))
@@ -542,9 +551,7 @@ class CommunicationMeter:
         if name is None:
             try:
                 if isinstance(group, str):
-                    from torch.distributed.distributed_c10d import _resolve_process_group
-
-                    group = _resolve_process_group(group)
+                    group = resolve_process_group(group)
                 ranks = frozenset(dist.get_process_group_ranks(group))
             except Exception:
                 return "other"

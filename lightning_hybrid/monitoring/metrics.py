@@ -45,7 +45,7 @@ def _plain_inputs(update: Any) -> Any:
     from lightning_utilities.core.apply_func import apply_to_collection
     from torch.distributed.tensor import DTensor
 
-    from lightning_hybrid.pipeline import to_plain
+    from lightning_hybrid.dtensor import to_plain
 
     @functools.wraps(update)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
+from lightning_hybrid._torch_compat import non_finite_check_and_unscale_
 from lightning_hybrid.config import HybridConfigError
 
 __all__ = ["DynamicLossScaler", "LossScaleError"]
@@ -149,7 +150,7 @@ class DynamicLossScaler:
         for g in gradients:
             by_dtype.setdefault(g.dtype, []).append(g)
         for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         if dist.is_available() and dist.is_initialized():
             # the whole world, not one group: a skipped step must be skipped by every TP, PP and DP rank
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm  # what SyncBatchNorm.convert_sync_batchnorm converts
 
+from lightning_hybrid._torch_compat import BatchNormBase, privateuse1_backend_name
 from lightning_hybrid.config import HybridConfigError
 
 __all__ = ["sync_batch_norm"]
@@ -15,7 +14,7 @@ __all__ = ["sync_batch_norm"]
 
 def _sync_batch_norm_devices() -> tuple[str, ...]:
     # the devices torch's SyncBatchNorm computes on (its forward raises for any other in training mode)
-    return ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name())
+    return ("cuda", "hpu", "xpu", privateuse1_backend_name())
 
 
 def sync_batch_norm(module: nn.Module, layer_sync: Optional[Any], data_group: Any, device_type: str) -> None:
@@ -34,7 +33,7 @@ def sync_batch_norm(module: nn.Module, layer_sync: Optional[Any], data_group: An
         >>> type(net[1]).__name__
         'SyncBatchNorm'
     """
-    if layer_sync is None or not any(isinstance(m, _BatchNorm) for m in module.modules()):
+    if layer_sync is None or not any(isinstance(m, BatchNormBase) for m in module.modules()):
         return  # nothing to synchronize (Lightning's DDP does not complain either)
     from lightning.pytorch.plugins import TorchSyncBatchNorm
 

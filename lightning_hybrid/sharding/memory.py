@@ -5,18 +5,12 @@ from __future__ import annotations
 from typing import Optional
 
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_hybrid.dtensor import local_bytes
 from lightning_hybrid.sharding.zero import ShardedOptimizer
 
 __all__ = ["expected_model_state_bytes", "measure_model_state_bytes"]
-
-
-def _nbytes(t: Tensor) -> int:
-    # a DTensor's local shard, read without DTensor.to_local() (an autograd call per tensor, per measured step)
-    t = t._local_tensor if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
 
 
 def measure_model_state_bytes(
@@ -31,14 +25,14 @@ def measure_model_state_bytes(
         80
     """
     params = {id(p): p for p in module.parameters()}.values()
-    out = {"parameters": sum(_nbytes(p) for p in params)}
+    out = {"parameters": sum(local_bytes(p) for p in params)}
     if sharded:
         out["gradients"] = sum(z.gradient_bytes() for z in sharded)
         out["optimizer_state"] = sum(z.state_bytes() for z in sharded)
     else:
-        out["gradients"] = sum(_nbytes(p.grad) for p in params if p.grad is not None)
+        out["gradients"] = sum(local_bytes(p.grad) for p in params if p.grad is not None)
         out["optimizer_state"] = sum(
-            _nbytes(t)
+            local_bytes(t)
             for opt in optimizers
             for s in opt.state.values()
             for t in s.values()

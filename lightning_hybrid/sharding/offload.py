@@ -30,10 +30,17 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_hybrid._torch_compat import (
+    dtensor_local_data,
+    extension_build_directory,
+    mark_optimizer_stepped,
+    mark_step_reports_itself,
+    tensor_version,
+)
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.dtensor import like
 
 if TYPE_CHECKING:
     from lightning_hybrid.sharding.zero import ShardedOptimizer
@@ -42,10 +49,6 @@ __all__ = ["OptimizerOffload", "attach_offload", "check_offloadable", "cpu_adam_
 
 EXTRA = 'pip install "lightning-hybrid[deepspeed]"'
 _STATS = ("exp_avg", "exp_avg_sq")
-
-
-def _local(t: Tensor) -> Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def cpu_adam_class() -> type:
@@ -78,9 +81,7 @@ def _op_is_built(builder: Any) -> bool:
     if importlib.util.find_spec(builder.absolute_name()) is not None:
         return True
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        directory = _get_build_directory(builder.name, verbose=False)
+        directory = extension_build_directory(builder.name)
     except Exception:
         return False
     return os.path.isfile(os.path.join(directory, f"{builder.name}.so"))
@@ -143,7 +144,7 @@ class _Slot:
     memory) and, for parameters on an accelerator, pinned buffers for its gradient and the copy-back target."""
 
     def __init__(self, param: Tensor, pin: bool) -> None:
-        local = _local(param).detach()
+        local = dtensor_local_data(param).detach()
         self.param = param
         self.on_host = local.device.type == "cpu"
         if self.on_host:
@@ -153,16 +154,17 @@ class _Slot:
             self.host = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
             self.host.copy_(local)
             self.grad_buffer = torch.empty(local.shape, dtype=torch.float32, pin_memory=pin)
-        self.version = local._version  # the device tensor changed behind our back (a checkpoint load) if this moves
+        # the device tensor changed behind our back (a checkpoint load) if this moves
+        self.version = tensor_version(local)
 
     def refresh(self) -> None:
         """Take the device tensor's value again if something else wrote it since the last step (a load)."""
         if self.on_host:
             return
-        local = _local(self.param).detach()
-        if local._version != self.version:
+        local = dtensor_local_data(self.param).detach()
+        if tensor_version(local) != self.version:
             self.host.copy_(local)
-            self.version = local._version
+            self.version = tensor_version(local)
 
 
 class OptimizerOffload:
@@ -214,18 +216,13 @@ class OptimizerOffload:
             value = state.get(stat)
             if value is None:
                 local = torch.zeros(slot.host.shape, dtype=torch.float32, pin_memory=self.pin and not slot.on_host)
-            elif _local(value).device.type != "cpu" or _local(value).dtype != torch.float32:
-                local = _local(value).detach().to("cpu", torch.float32)
+            elif dtensor_local_data(value).device.type != "cpu" or dtensor_local_data(value).dtype != torch.float32:
+                local = dtensor_local_data(value).detach().to("cpu", torch.float32)
                 if self.pin:
                     local = local.pin_memory()
             else:
                 continue
-            if isinstance(p, DTensor):
-                state[stat] = DTensor.from_local(
-                    local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                )
-            else:
-                state[stat] = local
+            state[stat] = like(local, p)
         if isinstance(state["step"], Tensor) and state["step"].device.type != "cpu":
             state["step"] = state["step"].detach().cpu()
         return state
@@ -245,7 +242,7 @@ class OptimizerOffload:
                     continue
                 slot = self._slot(p)
                 slot.refresh()
-                grad = _local(p.grad).detach()
+                grad = dtensor_local_data(p.grad).detach()
                 if grad.device.type == "cpu":
                     slot.host.grad = grad if grad.dtype == torch.float32 else grad.float()
                 else:
@@ -256,7 +253,7 @@ class OptimizerOffload:
                 state = self._state(p, slot)
                 states[slot.host] = {
                     "step": int(state["step"]),
-                    **{stat: _local(state[stat]) for stat in _STATS},
+                    **{stat: dtensor_local_data(state[stat]) for stat in _STATS},
                 }
                 written.append((slot, state))
                 hosts.append(slot.host)
@@ -285,9 +282,9 @@ class OptimizerOffload:
                 state["step"] = torch.tensor(float(step))
             slot.host.grad = None
             if not slot.on_host:  # back to the device (ZeRO-0/3 parameters; ZeRO-1/2 masters live on the host)
-                local = _local(slot.param).detach()
+                local = dtensor_local_data(slot.param).detach()
                 local.copy_(slot.host, non_blocking=True)
-                slot.version = local._version
+                slot.version = tensor_version(local)
         self.cpu_adam.param_groups, self.cpu_adam.state = [], {}
         self.steps += 1
 
@@ -300,7 +297,7 @@ class OptimizerOffload:
         """Bytes of the optimizer's masters and moments this offload keeps in host memory."""
         total = 0
         for s in self.optimizer.state.values():
-            total += sum(_local(s[k]).numel() * 4 for k in _STATS if k in s)
+            total += sum(dtensor_local_data(s[k]).numel() * 4 for k in _STATS if k in s)
         if self.sharded is not None:
             masters = [g.master for g in self.sharded.groups if g.master is not None]
             total += sum(m.numel() * m.element_size() for m in masters)
@@ -317,12 +314,12 @@ def _offloaded_step(optimizer: Optimizer, offload: OptimizerOffload) -> Any:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        optimizer._opt_called = True  # type: ignore[attr-defined]  # what torch's LR schedulers check for
+        mark_optimizer_stepped(optimizer)  # what torch's LR schedulers check for
         offload.step()
         return loss
 
     # torch's LR schedulers wrap `optimizer.step` to see that it ran; this one reports it itself (above)
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    mark_step_reports_itself(step)
     return step
 
 

@@ -27,6 +27,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_hybrid._torch_compat import is_strided_shard, queue_autograd_callback
+from lightning_hybrid.dtensor import like, local_bytes, local_tensor
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -51,11 +54,6 @@ def _reduce_scatter(output: Tensor, input: Tensor, group: Any) -> None:
 
 def _all_gather(output: Tensor, input: Tensor, group: Any) -> None:
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input, group=group)
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """This rank's storage of a (possibly DTensor) tensor; writes to it write the tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_grad(p: nn.Parameter) -> Optional[Tensor]:
@@ -170,12 +168,8 @@ def _unflatten_into(targets: list[Tensor], flat: Tensor) -> None:
 def _as_grad(p: nn.Parameter, view: Tensor) -> Tensor:
     """What ``p.grad`` is set to so that it stores into ``view``: the view, or for a DTensor parameter a DTensor of
     the parameter's mesh and placements whose local tensor is the view."""
-    if isinstance(p, DTensor):
-        with torch.no_grad():
-            return DTensor.from_local(
-                view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
-    return view
+    with torch.no_grad():
+        return like(view, p)
 
 
 class _Bucket:
@@ -217,6 +211,13 @@ class _InOrderLaunch:
     buckets: list[Any]
     _next: int
     _callback_queued: bool
+    _hooks: list[Any]  # each parameter's post-accumulate-grad hook handle
+
+    def remove_hooks(self) -> None:
+        """Stop receiving gradients (the optimizer is being replaced)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _launch(self, b: Any, *, in_backward: bool) -> None:
         raise NotImplementedError
@@ -227,7 +228,7 @@ class _InOrderLaunch:
     def _report(self, b: Any, i: int) -> None:
         if not self._callback_queued:
             # like DDP: when the backward pass ends, start what is left and wait for everything
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_autograd_callback(self._end_of_backward)
             self._callback_queued = True
         b.reported.add(i)
         while self._next < len(self.buckets) and len(self.buckets[self._next].reported) == len(
@@ -385,12 +386,6 @@ class GradientBuckets(_InOrderLaunch):
                 b.handle = None
             b.reported.clear()
         self._next, self.armed, self._done = 0, False, False
-
-    def remove_hooks(self) -> None:
-        """Stop receiving gradients (the optimizer is being replaced)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
     def stats(self) -> list[dict[str, int]]:
         """Per bucket: parameters, bytes, all-reduces started, and how many of those started inside backward."""
@@ -659,12 +654,6 @@ class ShardedGradientBuckets(_InOrderLaunch):
         self._in_flight, self._next, self._callback_queued, self._armed = [], 0, False, False
         self._accumulators = [None] * len(self.flat_groups)
         self._copied = [0] * len(self.flat_groups)
-
-    def remove_hooks(self) -> None:
-        """Stop receiving gradients (the optimizer is being replaced)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
     def stats(self) -> list[dict[str, int]]:
         """Per bucket: parameters, bytes, reductions started (one per backward pass) and how many started inside
@@ -969,23 +958,18 @@ class ShardedOptimizer:
         total = 0
         for g, flat in zip(self.groups, self._flat_grads or [None] * len(self.groups)):
             if g.grad_buffer is not None:
-                total += _nbytes(g.grad_buffer)  # the master's gradient is a view of it
+                total += local_bytes(g.grad_buffer)  # the master's gradient is a view of it
             elif self.stage == 2 or (g.master is not None and flat is None):
-                total += _nbytes(g.master.grad) if g.master is not None and g.master.grad is not None else 0
+                total += local_bytes(g.master.grad) if g.master is not None and g.master.grad is not None else 0
             elif g.master is not None:
-                total += _nbytes(flat)
+                total += local_bytes(flat)
             else:
-                total += sum(_nbytes(p.grad) for p in g.params if p.grad is not None)
+                total += sum(local_bytes(p.grad) for p in g.params if p.grad is not None)
         return total
 
 
-def _nbytes(t: Tensor) -> int:
-    t = local_tensor(t)
-    return t.numel() * t.element_size()
-
-
 def _strided(p: nn.Parameter) -> bool:
-    return isinstance(p, DTensor) and any(type(pl).__name__ == "_StridedShard" for pl in p.placements)
+    return isinstance(p, DTensor) and any(is_strided_shard(pl) for pl in p.placements)
 
 
 def apply_fully_shard(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from types import MethodType
 from typing import Any, Optional, Union
 
@@ -26,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_hybrid._torch_compat import colwise_input_fn, strided_shard
 from lightning_hybrid.config import HybridConfigError
 
 __all__ = [
@@ -49,14 +49,6 @@ def _map_tensors(fn: Any, value: Any) -> Any:
     return fn(value)
 
 
-def strided_shard(dim: int, blocks: int) -> Placement:
-    """ "Split each of ``blocks`` equal blocks of ``dim``": torch has no public placement for it; ``_StridedShard`` is
-    the one FSDP2+TP uses for exactly this layout (checkpoints see the original, unpermuted tensor through it)."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return _StridedShard(dim, split_factor=blocks)
-
-
 class FusedColwiseParallel(ColwiseParallel):
     """Column-wise split of a fused projection whose output is ``num_blocks`` equal blocks (e.g. q|k|v).
 
@@ -75,7 +67,7 @@ class FusedColwiseParallel(ColwiseParallel):
         super().__init__(use_local_output=use_local_output)
         self.num_blocks = num_blocks
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+    def _partition_fused(self, name: str, module: nn.Module, device_mesh: Any) -> None:
         for pname, param in module.named_parameters():
             placement = strided_shard(0, self.num_blocks)
             dist_param = nn.Parameter(distribute_tensor(param, device_mesh, [placement]), param.requires_grad)
@@ -94,8 +86,7 @@ class FusedColwiseParallel(ColwiseParallel):
                 f"FusedColwiseParallel (the 'fused_colwise_<k>' or 'packed_colwise' style) splits nn.Linear layers"
                 f" only, not {type(module).__name__}. Give that module another style in `tensor_parallel_plan`."
             )
-        input_fn = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
-        distribute_module(module, device_mesh, self._partition_linear_fn, input_fn, self._prepare_output)
+        distribute_module(module, device_mesh, self._partition_fused, colwise_input_fn(self), self._prepare_output)
         module.forward = MethodType(_local_linear_forward, module)
         return module
 

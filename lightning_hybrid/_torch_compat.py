@@ -1,0 +1,276 @@
+"""Every private torch name the package leans on, in one place.
+
+A new torch release breaks the package here first, and only here. Each entry says what the name is, the torch
+versions it was checked on, and the public API to switch to once torch has one. No other module of the package
+imports a private torch name or reads a private torch attribute; they call these.
+
+Checked on: torch 2.11.0 (the lower bound in ``pyproject.toml``) and torch 2.13.0; each name below exists, with the
+signature used here, in both.
+
+Not private, so not here: the ``_apply`` method that every ``ParallelStyle`` subclass implements
+(``tensor_parallel/styles.py``): it is the abstract method torch's ``parallelize_module`` calls, the documented way
+to write a style.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "WRAPPER_PREFIXES",
+    "AsyncCollectiveTensor",
+    "BatchNormBase",
+    "TorchDispatchMode",
+    "c10d_namespaces",
+    "colwise_input_fn",
+    "compute_local_shape_and_global_offset",
+    "dtensor_local_data",
+    "extension_build_directory",
+    "flight_recorder_dumper",
+    "group_options",
+    "is_strided_shard",
+    "mark_optimizer_stepped",
+    "mark_step_reports_itself",
+    "non_finite_check_and_unscale_",
+    "op_name",
+    "privateuse1_backend_name",
+    "queue_autograd_callback",
+    "resolve_process_group",
+    "strided_shard",
+    "tensor_version",
+]
+
+# --- DTensor --------------------------------------------------------------------------------------------------------
+
+# ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset(shape, mesh, placements)``: this rank's
+# local shape and its offset in the global tensor, for any placements (strided shards included). Used by the
+# checkpoint code to cut a full tensor into this rank's piece. Public replacement: none yet (DTensor has no
+# ``local_offset``); switch when ``torch.distributed.tensor`` exports one.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
+
+
+def strided_shard(dim: int, blocks: int) -> Any:
+    """The placement "split each of ``blocks`` equal blocks of ``dim``" over one mesh dimension.
+
+    ``torch.distributed.tensor.placement_types._StridedShard(dim, split_factor=blocks)``: the placement FSDP2 + TP
+    uses for this layout; checkpoints see the unpermuted tensor through it. Public replacement: none yet (torch
+    2.13 still keeps it private); switch when ``torch.distributed.tensor`` exports a strided shard.
+
+    Example:
+        >>> strided_shard(0, 3).dim
+        0
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=blocks)
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """Whether ``placement`` is a ``_StridedShard`` (see :func:`strided_shard`), ours or FSDP2's own.
+
+    Example:
+        >>> from torch.distributed.tensor import Shard
+        >>> is_strided_shard(strided_shard(0, 3)), is_strided_shard(Shard(0))
+        (True, False)
+    """
+    return type(placement).__name__ == "_StridedShard"
+
+
+def dtensor_local_data(t: Tensor) -> Tensor:
+    """A DTensor's local tensor read without ``DTensor.to_local()`` (no autograd call: cheap enough per tensor per
+    step for measuring); a plain tensor itself. Writes to it write the DTensor.
+
+    ``DTensor._local_tensor``: the slot holding the local shard. Public replacement: ``DTensor.to_local()``, which
+    costs an autograd function call per tensor.
+
+    Example:
+        >>> dtensor_local_data(torch.zeros(2)).shape
+        torch.Size([2])
+    """
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def tensor_version(t: Tensor) -> int:
+    """``Tensor._version``: the counter autograd bumps on every in-place write to the tensor's storage. Used to see
+    that a device tensor changed behind an offloaded copy (a checkpoint load). Public replacement: none.
+
+    Example:
+        >>> t = torch.zeros(1); v = tensor_version(t); _ = t.add_(1); tensor_version(t) > v
+        True
+    """
+    return t._version
+
+
+# --- tensor parallel ------------------------------------------------------------------------------------------------
+
+
+def colwise_input_fn(style: Any) -> Callable[..., Any]:
+    """The input hook torch's ``ColwiseParallel`` installs, for a subclass that distributes the module itself:
+    ``ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)``, bound to
+    ``style``'s layouts. Public replacement: none (a ``ParallelStyle`` has no public input hook); switch to one
+    when torch's parallel styles expose it.
+
+    Example:
+        >>> from torch.distributed.tensor.parallel import ColwiseParallel
+        >>> callable(colwise_input_fn(ColwiseParallel()))
+        True
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return partial(ColwiseParallel._prepare_input_fn, style.input_layouts, style.desired_input_layouts)
+
+
+# --- autograd -------------------------------------------------------------------------------------------------------
+
+
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends (call it from inside a gradient hook), as DDP does to
+    wait for its last buckets.
+
+    ``torch.autograd.Variable._execution_engine.queue_callback``. Public replacement: none in 2.11-2.13 (FSDP2 and
+    DDP use the same call); switch when ``torch.autograd`` exports one.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_``: multiply ``grads`` (one dtype and device) by
+    ``inv_scale`` in place and set ``found_inf`` to 1 if any is inf/NaN, in one fused kernel. ``GradScaler.unscale_``
+    calls the same op. Public replacement: ``torch.amp.GradScaler`` itself, which cannot be handed a gradient list.
+    """
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+# ``torch.optim`` LR schedulers wrap ``optimizer.step`` to mark that it ran (``optimizer._opt_called``), and warn
+# when ``scheduler.step()`` comes first; a step function marked ``_wrapped_by_lr_sched`` is not wrapped again.
+# Public replacement: none (``torch.optim.lr_scheduler`` internals, unchanged 2.11-2.13).
+def mark_optimizer_stepped(optimizer: Any) -> None:
+    """Tell torch's LR schedulers that ``optimizer`` stepped, from a step function that replaced
+    ``optimizer.step`` (see :func:`mark_step_reports_itself`)."""
+    optimizer._opt_called = True
+
+
+def mark_step_reports_itself(step: Callable[..., Any]) -> None:
+    """Mark a replacement ``optimizer.step`` as one that calls :func:`mark_optimizer_stepped` itself, so that torch's
+    LR schedulers do not wrap it."""
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+
+# module wrappers that torch inserts into parameter names but not into state-dict keys: activation checkpointing's
+# ``_CHECKPOINT_PREFIX`` (torch.distributed.algorithms._checkpoint.checkpoint_wrapper), FSDP1's
+# ``FSDP_WRAPPED_MODULE`` (torch.distributed.fsdp._common_utils) and ``torch.compile``'s ``OptimizedModule._orig_mod``.
+# Public replacement: ``torch.distributed.checkpoint.state_dict`` maps these itself; switch where it covers the case.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+# --- c10d -----------------------------------------------------------------------------------------------------------
+
+
+def c10d_namespaces() -> tuple[Any, Any]:
+    """The two module namespaces a c10d function is reached by: ``torch.distributed.distributed_c10d`` (torch's own
+    helpers call its globals: ``all_gather_object`` calls ``all_gather`` there) and ``torch.distributed`` (users and
+    Lightning). The communication meter replaces a function in both to time it. Public replacement: none (torch
+    has no hook per c10d call; its flight recorder records collectives only, and not under every backend)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d, dist
+
+
+def resolve_process_group(name: str) -> Any:
+    """The process group a functional collective names by string:
+    ``torch.distributed.distributed_c10d._resolve_process_group``. Public replacement: none in 2.11-2.13."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def op_name(func: Any) -> str:
+    """An ``OpOverload``'s op name without namespace and overload (``_c10d_functional.all_reduce.default`` ->
+    ``all_reduce``): ``OpOverload._opname``. Public replacement: ``func._schema.name`` is no better (private too);
+    ``str(func.overloadpacket)`` carries the namespace.
+
+    Example:
+        >>> op_name(torch.ops.aten.add.Tensor)
+        'add'
+    """
+    return func._opname
+
+
+def group_options(backend: str, timeout: timedelta) -> Any:
+    """Options for a new process group of ``backend`` ("nccl" or "gloo") with ``timeout``.
+
+    ``ProcessGroupGloo._Options`` (gloo's options class has no public name) and the options' ``_timeout`` field
+    (NCCL's too). Public replacement: ``new_group(timeout=...)``, which DeviceMesh does not take per dimension."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
+
+
+def flight_recorder_dumper(backend: str) -> Optional[Callable[[bool, bool], str]]:
+    """torch's flight-recorder dump for ``backend`` as a JSON-string function ``(include_collectives,
+    include_stack_traces)``, or None where this torch build has none.
+
+    ``torch._C._distributed_c10d._dump_nccl_trace_json`` (NCCL builds) and ``_dump_fr_trace_json`` (every backend).
+    Public replacement: none; torch's ``torch.distributed.flight_recorder`` reads dump files, not a live process."""
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_nccl_trace_json", None) if backend == "nccl" else None
+    return dump or getattr(c10d, "_dump_fr_trace_json", None)
+
+
+# ``torch.utils._python_dispatch.TorchDispatchMode``: the base class of a mode that sees every ATen op below autograd
+# (torch's own ``CommDebugMode`` is one). Public replacement: none yet (documented, but in a private module).
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+def _async_collective_tensor() -> type:
+    # the tensor subclass a functional collective returns before ``wait_tensor``
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return AsyncCollectiveTensor
+
+
+# ``torch.distributed._functional_collectives.AsyncCollectiveTensor``. Public replacement: none.
+AsyncCollectiveTensor = _async_collective_tensor()
+
+
+# --- devices, norms, extensions -------------------------------------------------------------------------------------
+
+
+def privateuse1_backend_name() -> str:
+    """The name an out-of-tree device registered for the PrivateUse1 key ("privateuseone" when none did):
+    ``torch._C._get_privateuse1_backend_name``. Public replacement: none in 2.11-2.13.
+
+    Example:
+        >>> isinstance(privateuse1_backend_name(), str)
+        True
+    """
+    return torch._C._get_privateuse1_backend_name()
+
+
+def _batch_norm_base() -> type:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return _BatchNorm
+
+
+# ``torch.nn.modules.batchnorm._BatchNorm``: the base of BatchNorm1d/2d/3d, exactly what
+# ``SyncBatchNorm.convert_sync_batchnorm`` converts. Public replacement: none (``nn.modules.batchnorm`` exports only
+# the concrete classes).
+BatchNormBase = _batch_norm_base()
+
+
+def extension_build_directory(name: str) -> str:
+    """Where torch's C++ extension loader builds (and caches) the extension ``name``:
+    ``torch.utils.cpp_extension._get_build_directory``. Public replacement: none (the ``TORCH_EXTENSIONS_DIR``
+    variable sets the root, not the per-extension folder)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
