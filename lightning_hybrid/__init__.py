@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_hybrid._version import __version__ as __version__
 from lightning_hybrid.config import HybridConfigError, ParallelLayout
 from lightning_hybrid.monitoring import CommunicationMeter, HealthChecks, HybridMonitor
 from lightning_hybrid.planning import plan
@@ -18,7 +19,6 @@ __all__ = [
     "ParallelLayout",
     "plan",
 ]
-__version__ = "0.1.0"
 
 # Registration must happen at import time in every process (Lightning's launcher re-runs the script per rank).
 if HybridStrategy.strategy_name not in StrategyRegistry:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hybrid._version import __version__
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.monitoring.comm import CommunicationMeter
 from lightning_hybrid.monitoring.flops import count_parameters, device_peak_flops, transformer_flops_per_token
@@ -464,8 +465,6 @@ def run_config(trainer: L.Trainer) -> dict[str, Any]:
     """The layout and environment of a run, as logged to the loggers' run config."""
     import lightning
 
-    import lightning_hybrid
-
     strategy = trainer.strategy
     layout = getattr(strategy, "layout", None)
     config: dict[str, Any] = dict(layout.as_dict()) if layout is not None else {}
@@ -475,7 +474,7 @@ def run_config(trainer: L.Trainer) -> dict[str, Any]:
         num_nodes=trainer.num_nodes,
         accumulate_grad_batches=trainer.accumulate_grad_batches,
         versions={
-            "lightning_hybrid": lightning_hybrid.__version__,
+            "lightning_hybrid": __version__,
             "torch": torch.__version__,
             "lightning": lightning.__version__,
             "python": platform.python_version(),

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_hybrid._version import __version__
 from lightning_hybrid.config import HybridConfigError
 
 __all__ = [
@@ -166,8 +167,6 @@ class HealthChecks(L.Callback):
         """What this rank reports at start-up (a test can override it to simulate a bad node)."""
         import lightning
 
-        import lightning_hybrid
-
         strategy = trainer.strategy
         layout = getattr(strategy, "layout", None)
         return {
@@ -177,7 +176,7 @@ class HealthChecks(L.Callback):
             "versions": {
                 "torch": torch.__version__,
                 "lightning": lightning.__version__,
-                "lightning_hybrid": lightning_hybrid.__version__,
+                "lightning_hybrid": __version__,
                 "python": platform.python_version(),
             },
             "pid": os.getpid(),
