@@ -9,7 +9,6 @@ decision rules), ``report`` (table, JSON, PNG), ``command`` (``lightning-hybrid 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -19,42 +18,11 @@ from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.planning.hardware import GB, PRESETS, Hardware
 from lightning_hybrid.planning.ledger import Ledger, predict_model_state_bytes, state_bytes_per_parameter
 from lightning_hybrid.planning.model import ModelSpec, build_on_meta
-from lightning_hybrid.planning.search import Evaluated, Setup, decision_rule, search
+from lightning_hybrid.planning.report import Plan
+from lightning_hybrid.planning.search import Setup, decision_rule, search
 
 __all__ = ["GB", "PRESETS", "Hardware", "Ledger", "ModelSpec", "Plan", "plan", "predict_model_state_bytes",
            "state_bytes_per_parameter"]  # fmt: skip
-
-
-@dataclass
-class Plan:
-    """The planner's answer: ``layouts`` ranked best first, the decision rule's pick, and the inputs."""
-
-    spec: ModelSpec
-    hardware: Hardware
-    setup: Setup
-    layouts: list[Evaluated]
-    rule: Optional[Evaluated]
-    rule_reason: str
-
-    @property
-    def best(self) -> Optional[Evaluated]:
-        """The first feasible layout of the ranking (None if none fits)."""
-        return next((e for e in self.layouts if e.feasible), None)
-
-    def table(self, limit: int = 12) -> str:
-        from lightning_hybrid.planning.report import format_table
-
-        return format_table(self, limit)
-
-    def to_json(self) -> str:
-        from lightning_hybrid.planning.report import to_json
-
-        return to_json(self)
-
-    def save_png(self, path: Union[str, Path], limit: int = 10) -> Path:
-        from lightning_hybrid.planning.report import save_png
-
-        return save_png(self, path, limit)
 
 
 def _spec(

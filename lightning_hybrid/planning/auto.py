@@ -84,12 +84,7 @@ def auto_layout(
             " `activation_checkpointing`, or lower the micro-batch size."
         )
     c = best.candidate
-    sizes = {
-        "tensor_parallel_size": c.tensor_parallel_size,
-        "pipeline_parallel_size": c.pipeline_parallel_size,
-        "data_parallel_size": c.data_parallel_size,
-        "zero_stage": c.zero_stage,
-    }
+    sizes = c.sizes()
     from lightning_hybrid.planning.search import _gb
 
     ledger = ", ".join(f"{k} {_gb(v)}" for k, v in best.ledger.as_dict().items())

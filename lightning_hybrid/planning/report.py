@@ -1,29 +1,52 @@
-"""The planner's three forms: a terminal table, JSON, and a PNG of stacked bars per layout."""
+"""The planner's answer (:class:`Plan`) and its three forms: a terminal table, JSON, and a PNG of stacked bars per
+layout."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Optional, Union
 
-from lightning_hybrid.planning.hardware import GB
-from lightning_hybrid.planning.search import _gb
+from lightning_hybrid.planning.hardware import GB, Hardware
+from lightning_hybrid.planning.model import ModelSpec
+from lightning_hybrid.planning.search import Evaluated, Setup, _gb
 
-if TYPE_CHECKING:
-    from lightning_hybrid.planning import Plan
-
-__all__ = ["format_table", "save_png", "to_json"]
+__all__ = ["Plan", "format_table", "save_png", "to_json"]
 
 LEDGER_KEYS = ("parameters", "gradients", "master", "optimizer", "activations", "buffers", "peak")
+
+
+@dataclass
+class Plan:
+    """The planner's answer: ``layouts`` ranked best first, the decision rule's pick, and the inputs."""
+
+    spec: ModelSpec
+    hardware: Hardware
+    setup: Setup
+    layouts: list[Evaluated]
+    rule: Optional[Evaluated]
+    rule_reason: str
+
+    @property
+    def best(self) -> Optional[Evaluated]:
+        """The first feasible layout of the ranking (None if none fits)."""
+        return next((e for e in self.layouts if e.feasible), None)
+
+    def table(self, limit: int = 12) -> str:
+        return format_table(self, limit)
+
+    def to_json(self) -> str:
+        return to_json(self)
+
+    def save_png(self, path: Union[str, Path], limit: int = 10) -> Path:
+        return save_png(self, path, limit)
 
 
 def layout_record(e: Any) -> dict[str, Any]:
     c = e.candidate
     return {
-        "tensor_parallel_size": c.tensor_parallel_size,
-        "pipeline_parallel_size": c.pipeline_parallel_size,
-        "data_parallel_size": c.data_parallel_size,
-        "zero_stage": c.zero_stage,
+        **c.sizes(),
         "num_microbatches": c.num_microbatches,
         "recompute": c.recompute,
         "feasible": e.feasible,

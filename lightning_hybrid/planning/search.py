@@ -46,6 +46,15 @@ class Candidate:
     schedule: str = "1f1b"
     virtual_stages: int = 1
 
+    def sizes(self) -> dict[str, int]:
+        """The layout's sizes, keyed like ``HybridStrategy``'s arguments."""
+        return {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+            "zero_stage": self.zero_stage,
+        }
+
     def describe(self) -> str:
         return (f"tp{self.tensor_parallel_size} x pp{self.pipeline_parallel_size} x dp{self.data_parallel_size}"
                 f" zero{self.zero_stage} m{self.num_microbatches} {self.recompute}")  # fmt: skip
