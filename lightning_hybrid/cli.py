@@ -15,11 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_hybrid  # noqa: F401  (registers strategy="hybrid" in every launched process)
 
-__all__ = ["HybridCLI", "main"]
-
-
-class HybridCLI(LightningCLI):
-    """``LightningCLI`` for any LightningModule/LightningDataModule given by class path, as Lightning users expect."""
+__all__ = ["main"]
 
 
 def main(args: Optional[list[str]] = None) -> int:
@@ -49,7 +45,9 @@ def main(args: Optional[list[str]] = None) -> int:
     # class paths in configs (e.g. examples.nanogpt.NanoGPT) resolve from the working directory, as with `python -m`
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    HybridCLI(
+    # Lightning's own CLI, any LightningModule/LightningDataModule by class path: importing this package registered
+    # strategy="hybrid", which is all the command adds
+    LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},

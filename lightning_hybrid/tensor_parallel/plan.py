@@ -97,9 +97,7 @@ class TensorParallelPlan:
         self.gradient_sum_modules = {n for n in self.gradient_sum_modules if held(n)}
         if self.inside_split is not None:
             self.inside_split = {n for n in self.inside_split if held(n)}
-        if self.vocab_parallel_head is not None and not held(self.vocab_parallel_head):
-            # the head is on another stage; the loss still runs there under loss_parallel, not here
-            pass
+        # vocab_parallel_head stays even when another stage holds the head: the loss runs there, under loss_parallel
 
     def describe(self) -> str:
         lines = [f"  {name}: {type(style).__name__}" for name, style in self.styles.items()]
