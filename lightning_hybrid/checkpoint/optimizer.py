@@ -28,19 +28,28 @@ from lightning_hybrid.dtensor import like, local_tensor
 if TYPE_CHECKING:
     from lightning_hybrid.sharding import ShardedOptimizer
 
-__all__ = ["HYPERPARAMETERS_KEY", "optimizer_load_targets", "optimizer_state"]
+__all__ = ["HYPERPARAMETERS_KEY", "optimizer_load_targets", "optimizer_state", "state_dict_name"]
 
 HYPERPARAMETERS_KEY = "param_groups"
 
 
-def _clean(name: str) -> str:
-    for part in WRAPPER_PREFIXES:  # torch's module wrappers, absent from state-dict keys
+def state_dict_name(name: str) -> str:
+    """A parameter's name as its state-dict key: without the module wrappers torch inserts into parameter names.
+
+    Example:
+        >>> state_dict_name("h.0._checkpoint_wrapped_module.attn.weight")
+        'h.0.attn.weight'
+    """
+    for part in WRAPPER_PREFIXES:
         name = name.replace(part, "")
     return name
 
 
+_clean = state_dict_name  # the name the pipeline modules import (until they switch to state_dict_name)
+
+
 def _names(module: nn.Module) -> dict[int, str]:
-    return {id(p): _clean(n) for n, p in module.named_parameters()}
+    return {id(p): state_dict_name(n) for n, p in module.named_parameters()}
 
 
 def _hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:

@@ -48,12 +48,8 @@ class Candidate:
 
     def sizes(self) -> dict[str, int]:
         """The layout's sizes, keyed like ``HybridStrategy``'s arguments."""
-        return {
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "pipeline_parallel_size": self.pipeline_parallel_size,
-            "data_parallel_size": self.data_parallel_size,
-            "zero_stage": self.zero_stage,
-        }
+        return {k: getattr(self, k) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                                              "zero_stage")}  # fmt: skip
 
     def describe(self) -> str:
         return (f"tp{self.tensor_parallel_size} x pp{self.pipeline_parallel_size} x dp{self.data_parallel_size}"
