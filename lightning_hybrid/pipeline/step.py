@@ -134,26 +134,21 @@ class TimedStage(PipelineStage):
         self.timer = timer
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        begin = time.perf_counter()
-        try:
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        finally:
-            self.timer.record("F", self.stage_index, fwd_chunk_id, begin)
+        return self._timed("F", fwd_chunk_id, super().forward_one_chunk, args, kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        begin = time.perf_counter()
-        try:
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        finally:
-            kind = "I" if kwargs.get("full_backward") is False else "B"
-            self.timer.record(kind, self.stage_index, bwd_chunk_id, begin)
+        kind = "I" if kwargs.get("full_backward") is False else "B"
+        return self._timed(kind, bwd_chunk_id, super().backward_one_chunk, args, kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("W", bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
+
+    def _timed(self, kind: str, chunk: int, action: Callable, args: tuple, kwargs: dict) -> Any:
         begin = time.perf_counter()
         try:
-            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+            return action(chunk, *args, **kwargs)
         finally:
-            self.timer.record("W", self.stage_index, bwd_chunk_id, begin)
+            self.timer.record(kind, self.stage_index, chunk, begin)
 
 
 class _Reached(Exception):
