@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Union
 
+from lightning_hybrid.pipeline_schedules import PIPELINE_SCHEDULES
+
 __all__ = [
     "PIPELINE_PARTITIONS",
     "PIPELINE_SCHEDULES",
@@ -56,9 +58,6 @@ def check_sizes(
             "`sequence_parallel=True` needs `tensor_parallel_size` > 1: sequence parallelism splits the"
             " activations between tensor-parallel regions across the tensor-parallel ranks."
         )
-
-
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 
 
 PIPELINE_PARTITIONS = ("uniform", "parameters", "profile")

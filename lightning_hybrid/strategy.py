@@ -701,11 +701,13 @@ class HybridStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         context = getattr(self.precision_plugin, _STEP_CONTEXTS[name])
         with context(), self._loss_context():
+            if self._pipeline is not None:
+                # the schedule runs backward inside the step: the fp16 loss scale is applied there
+                self._pipeline.loss_scale = self.precision_plugin.loss_scale or 1.0
+                results = self._pipeline.run(name, *args, *kwargs.values())
+                # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank
+                return results.log(self.lightning_module.log, self._data_group)
             with _plain_logging(self.lightning_module, self._data_group):
-                if self._pipeline is not None:
-                    # the schedule runs backward inside the step: the fp16 loss scale is applied there
-                    self._pipeline.loss_scale = self.precision_plugin.loss_scale or 1.0
-                    return self._pipeline.run(name, *args, *kwargs.values())
                 output = getattr(self.lightning_module, name)(*args, **kwargs)
         return apply_to_collection(output, DTensor, to_plain)
 

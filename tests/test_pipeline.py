@@ -473,7 +473,7 @@ def test_logged_values_travel_as_one_tensor_and_fall_back_when_the_names_change(
         steps = [("a", True), ("a", False), ("ab", True), ("ab", False), ("abc", True), ("ab", True), ("ab", False)]
         for i, (names, by_objects) in enumerate(steps):
             module.logs, logged[:], object_sends[:] = names, [], []
-            loss = runner.run("training_step", (x, y), i)
+            loss = runner.run("training_step", (x, y), i).log(module.log)
             runner.restore_gradients()
             assert bool(object_sends) == by_objects, (i, names)
             assert [r[0] for r in logged] == list(names), logged

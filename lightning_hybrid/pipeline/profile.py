@@ -18,9 +18,9 @@ __all__ = ["stage_costs"]
 
 
 def _io_modules(network: nn.Module, blocks_rel: str) -> tuple[list[nn.Module], list[nn.Module]]:
-    from lightning_hybrid.pipeline.stage import _slots
+    from lightning_hybrid.pipeline.stage import io_slots
 
-    inputs, outputs = _slots(network, blocks_rel)
+    inputs, outputs = io_slots(network, blocks_rel)
     return [s.module for s in inputs], [s.module for s in outputs]
 
 

@@ -6,18 +6,19 @@ the last stage, each micro-batch runs the rest of the user's step (loss, ``self.
 step's loss and logged values are then sent to every stage, so Lightning, callbacks and loggers see the real values
 on every rank and nothing waits for a rank that never logs.
 
-The per-step and per-micro-batch work here is on the host's critical path (a pipeline step is many short actions):
-training results travel as one small tensor once the logged names are known (``_share_results``), the stage swaps
-are built once (``NetworkSplit.active``), and only the micro-batches a rank's stages use are captured.
+The step is data (pipeline/step.py): a :class:`StepContext` handed to each stage module for the schedule's run, and
+a :class:`StepResults` the strategy logs once. The per-step and per-micro-batch work here is on the host's critical
+path (a pipeline step is many short actions): what the user's step logs is collected per micro-batch without
+Lightning's ``self.log`` (:class:`_LogCollector`), and travels as one small tensor once the logged names are known
+(``_share_results``); the stage swaps are built once (``NetworkSplit.active``); and only the micro-batches a rank's
+stages use are captured.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -26,25 +27,27 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._hooks import tensors_in
+from lightning_hybrid._hooks import first_tensor, tensors_in
+from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
-from lightning_hybrid.pipeline.stage import NetworkSplit, StageModule
+from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
+from lightning_hybrid.pipeline.step import (
+    ActionTimer,
+    LogRecord,
+    StepContext,
+    StepResults,
+    StepTimeline,
+    TimedStage,
+    capture_call,
+)
 from lightning_hybrid.pipeline.verify import FirstStepChecks, PipelineVerifier
+from lightning_hybrid.pipeline_schedules import MULTI_STAGE, SCHEDULES
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SCHEDULES", "PipelineRunner", "StepTimeline", "to_plain"]
-
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
-}
-MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"}
+__all__ = ["SCHEDULES", "PipelineRunner", "StepResults", "StepTimeline", "to_plain"]
 
 
 def to_plain(t: DTensor) -> Tensor:
@@ -52,53 +55,6 @@ def to_plain(t: DTensor) -> Tensor:
     if all(p.is_replicate() for p in t.placements):
         return t.to_local()
     return t.full_tensor()
-
-
-_LogRecord = tuple[str, Any, tuple, dict]
-
-
-class _Captured(Exception):
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        self.args, self.kwargs = args, kwargs
-
-
-@dataclass
-class _Step:
-    mode: str
-    microbatches: list[Any]
-    extra: tuple
-    captured: list[tuple[tuple, dict]]
-    counters: dict[int, int] = field(default_factory=dict)
-    losses: list[Tensor] = field(default_factory=list)
-    outputs: list[Any] = field(default_factory=list)
-    records: list[list[tuple[str, Any, tuple, dict]]] = field(default_factory=list)
-    weights: Optional[list[float]] = None
-    """Each micro-batch's factor on its loss (default: loss scale / micro-batches; verify_pipeline keeps one)."""
-    checks: Optional[FirstStepChecks] = None
-    """The structural checks, on the first training step only."""
-
-
-@dataclass
-class StepTimeline:
-    """What this rank did during one pipeline step, from real timings (``time.perf_counter``).
-
-    ``events`` are (kind, stage, micro-batch, start, end) in seconds from the step's start; kind is ``F`` (forward),
-    ``B`` (full backward), ``I``/``W`` (input/weight halves of a zero-bubble backward). Everything else in the step is
-    communication or waiting: the bubble.
-    """
-
-    rank: int = 0
-    step_time: float = 0.0
-    events: list[tuple[str, int, int, float, float]] = field(default_factory=list)
-
-    @property
-    def compute_time(self) -> float:
-        return sum(end - start for _, _, _, start, end in self.events)
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle share of the step on this rank: 1 - compute / step time."""
-        return max(0.0, 1.0 - self.compute_time / self.step_time) if self.step_time > 0 else 0.0
 
 
 class PipelineRunner:
@@ -122,9 +78,7 @@ class PipelineRunner:
         self.schedule_name, self.num_microbatches = schedule, num_microbatches
         self.activation_shape = activation_shape
         self._network_forward = network.forward
-        self.stages = {
-            s: wrap_stage(StageModule(s, split.stage_modules(s), self._run_stage)) for s in split.local_stages()
-        }
+        self.stages = {s: wrap_stage(StageModule(s, split.stage_modules(s))) for s in split.local_stages()}
         self.last_stage = split.num_stages - 1
         # the last stage reruns the user's step: it needs the captured inputs of micro-batch 0 only (schedule key)
         self._capture_all = any(s != self.last_stage for s in self.stages)
@@ -133,10 +87,9 @@ class PipelineRunner:
         self._schema: Optional[list[tuple[str, tuple, dict]]] = None
         """Names, args and kwargs of the last training step's logged records when all were scalars: the next step's
         records then travel as one tensor. The same on every rank (learned from the object broadcast)."""
-        self._step: Optional[_Step] = None
         self._stashed: list[tuple[nn.Parameter, Tensor]] = []
-        self.timeline = StepTimeline(rank=dist.get_rank())
-        self._clock = 0.0
+        self._timer = ActionTimer(dist.get_rank())
+        self._log = _LogCollector()
         self.loss_scale = 1.0
         """Multiplies the loss the schedule differentiates (fp16 loss scaling; the strategy sets it each step)."""
         self.verifier: Optional[PipelineVerifier] = None
@@ -149,29 +102,37 @@ class PipelineRunner:
         self._last_global_rank = dist.get_global_rank(pp_mesh.get_group(), last_rank)
 
     # ------------------------------------------------------------------ public
-    def run(self, mode: str, batch: Any, *extra: Any) -> Any:
-        """Run ``mode`` (``"training_step"``, ``"validation_step"``, ...) for one batch on this rank's stages."""
+    @property
+    def timeline(self) -> StepTimeline:
+        """This rank's compute actions of the last step."""
+        return self._timer.timeline
+
+    def run(self, mode: str, batch: Any, *extra: Any) -> StepResults:
+        """Run ``mode`` (``"training_step"``, ``"validation_step"``, ...) for one batch on this rank's stages; the
+        step's loss or outputs and logged values, the same on every rank (log them with :meth:`StepResults.log`)."""
         training = mode == "training_step"
         size = batch_size_of(batch)
         m = self.num_microbatches if training else _largest_divisor(size or 1, self.num_microbatches)
         microbatches = split_batch(batch, m)
-        captured = [self._capture(mode, mb, extra) for mb in (microbatches if self._capture_all else microbatches[:1])]
-        step = _Step(mode, microbatches, extra, captured, {s: 0 for s in self.stages})
-        step.records = [[] for _ in range(m)]
-        schedule = self._schedule(training, m, captured[0])
-        previous = self._take_gradients() if training else []
-        if training and self._checks_pending:
-            # the first training step checks the cut before any optimizer step; verify_pipeline does it in a step
-            # of its own, otherwise this step carries the checks
-            self._checks_pending = False
-            step.checks = FirstStepChecks(self.network, self.split)
-            if self.verifier is not None:
-                self._verify(step, schedule)
-                step.checks = None
-        self.timeline = StepTimeline(rank=dist.get_rank())
-        start = self._clock = time.perf_counter()
-        self._execute(step, schedule, training)
-        self.timeline.step_time = time.perf_counter() - start
+        with self._log.installed(self.module):
+            used = microbatches if self._capture_all else microbatches[:1]
+            step = StepContext(
+                mode, microbatches, extra, [self._capture(mode, mb, extra) for mb in used], self._run_stage
+            )
+            step.records = [[] for _ in range(m)]
+            schedule = self._schedule(training, m, step.captured[0])
+            previous = self._take_gradients() if training else []
+            if training and self._checks_pending:
+                # the first training step checks the cut before any optimizer step; verify_pipeline does it in a step
+                # of its own, otherwise this step carries the checks
+                self._checks_pending = False
+                step.checks = FirstStepChecks(self.network, self.split)
+                if self.verifier is not None:
+                    self._verify(step, schedule)
+                    step.checks = None
+            self._timer.begin()
+            self._execute(step, schedule, training)
+            self._timer.end()
         if training:
             if step.checks is not None:
                 step.checks.check_gradients(self.stages)
@@ -187,23 +148,23 @@ class PipelineRunner:
             p.grad = g if p.grad is None else p.grad + g
         self._stashed = []
 
-    def _execute(self, step: _Step, schedule: Any, training: bool) -> None:
-        """One run of the schedule over ``step``'s micro-batches on this rank's stages."""
+    def _execute(self, step: StepContext, schedule: Any, training: bool) -> None:
+        """One run of the schedule over ``step``'s micro-batches on this rank's stages, which read ``step``."""
         ids = torch.arange(len(step.microbatches), device=self.device)
         args = (ids,) if 0 in self.stages else ()
         last = self.last_stage in self.stages
         kwargs: dict[str, Any] = {"target": ids, "losses": []} if last and training else {}
-        self._step = step
+        step.counters = {s: 0 for s in self.stages}
+        for module in self.stages.values():
+            module.context = step
         try:
-            if training:
+            with self.split.attached(step), nullcontext() if training else torch.no_grad():
                 schedule.step(*args, **kwargs)
-            else:
-                with torch.no_grad():
-                    schedule.step(*args, **kwargs)
         finally:
-            self._step = None
+            for module in self.stages.values():
+                module.context = None
 
-    def _verify(self, first: _Step, schedule: Any) -> None:
+    def _verify(self, first: StepContext, schedule: Any) -> None:
         """``verify_pipeline``: a pipeline step in which only micro-batch 0 (the first replica's, on every replica)
         counts, checked structurally, then its loss and gradient norm against the unsplit copy on one rank. The
         gradients it makes are dropped; the real step follows unchanged."""
@@ -214,7 +175,7 @@ class PipelineRunner:
         verifier.refresh(self.network)
         microbatch = verifier.common_microbatch(first.microbatches[0])
         captured = self._capture(first.mode, microbatch, first.extra)
-        step = _Step(first.mode, [microbatch] * m, first.extra, [captured] * m, {s: 0 for s in self.stages})
+        step = StepContext(first.mode, [microbatch] * m, first.extra, [captured] * m, self._run_stage)
         step.records, step.weights, step.checks = [[] for _ in range(m)], [1.0] + [0.0] * (m - 1), first.checks
         with verifier.deterministic(self.module, verifier.reference):
             self._execute(step, schedule, True)
@@ -229,7 +190,7 @@ class PipelineRunner:
                 verifier.measured = (float(step.losses[0]), norm)
 
                 def run_step(forward: Callable) -> Tensor:
-                    with self._network_replaced(forward), self._log_to(None):
+                    with _forward_replaced(self.network, forward):
                         out = getattr(self.module, step.mode)(microbatch, *step.extra)
                     out = apply_to_collection(out, DTensor, to_plain)
                     return out if isinstance(out, Tensor) else out["loss"]
@@ -239,58 +200,19 @@ class PipelineRunner:
         self.verification = verifier.result
 
     # ------------------------------------------------------------------ capture and stage execution
-    # the instance dicts are written directly: ``nn.Module.__setattr__`` checks parameters, buffers and submodules on
-    # every call, twice per micro-batch here, for plain function attributes
-    @contextmanager
-    def _network_replaced(self, fn: Callable) -> Generator[None, None, None]:
-        attrs = self.network.__dict__
-        attrs["forward"] = fn
-        try:
-            yield
-        finally:
-            del attrs["forward"]
-
-    @contextmanager
-    def _log_to(self, sink: Optional[list]) -> Generator[None, None, None]:
-        attrs = self.module.__dict__
-        outer = attrs.get("log", _MISSING)
-
-        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if sink is not None:
-                if isinstance(value, Tensor):  # the common case, without apply_to_collection's walk
-                    value = (to_plain(value) if isinstance(value, DTensor) else value).detach().clone()
-                else:
-                    value = apply_to_collection(value, DTensor, to_plain)
-                    value = apply_to_collection(value, Tensor, lambda t: t.detach().clone())
-                sink.append((name, value, args, kwargs))
-
-        attrs["log"] = log
-        try:
-            yield
-        finally:
-            if outer is _MISSING:
-                del attrs["log"]
-            else:
-                attrs["log"] = outer
-
     def _capture(self, mode: str, microbatch: Any, extra: tuple) -> tuple[tuple, dict]:
-        def grab(*args: Any, **kwargs: Any) -> None:
-            raise _Captured(args, kwargs)
+        """The network's arguments in the user's step for ``microbatch`` (the step stops at the network's call)."""
+        captured = capture_call(self.network, lambda: getattr(self.module, mode)(microbatch, *extra))
+        if captured is None:
+            raise HybridConfigError(
+                f"Under pipeline parallel, `{mode}` must call the network ({type(self.network).__name__}) once; it"
+                " did not. If another module is the network, pass `HybridStrategy(pipeline_network='<its name>')`;"
+                " if the step calls no network at all, it cannot be pipelined."
+            )
+        return captured
 
-        with self._network_replaced(grab), self._log_to(None):
-            try:
-                getattr(self.module, mode)(microbatch, *extra)
-            except _Captured as c:
-                return c.args, c.kwargs
-        raise HybridConfigError(
-            f"Under pipeline parallel, `{mode}` must call the network ({type(self.network).__name__}) once; it did"
-            " not. If another module is the network, pass `HybridStrategy(pipeline_network='<its name>')`; if"
-            " the step calls no network at all, it cannot be pipelined."
-        )
-
-    def _run_stage(self, stage: int, x: Tensor) -> Any:
-        step = self._step
-        assert step is not None, "a pipeline stage ran outside a step"
+    def _run_stage(self, step: StepContext, stage: int, x: Tensor) -> Any:
+        """A stage module's forward for the next micro-batch of ``step`` (torch's schedule calls it)."""
         mb = step.counters[stage]
         step.counters[stage] += 1
         received = None if stage == 0 else x
@@ -322,16 +244,20 @@ class PipelineRunner:
         assert self._hidden is not None
         return torch.zeros_like(self._hidden).requires_grad_()
 
-    def _stage_forward(self, step: _Step, stage: int, mb: int, received: Optional[Tensor]) -> Any:
+    def _stage_forward(self, step: StepContext, stage: int, mb: int, received: Optional[Tensor]) -> Any:
         if stage != self.last_stage:
             args, kwargs = step.captured[mb]
-            return self._partial_forward(stage, received, args, kwargs)
+            return self._partial_forward(step, stage, received, args, kwargs)
 
         def network_call(*args: Any, **kwargs: Any) -> Any:
-            return self._partial_forward(stage, received, args, kwargs)
+            return self._partial_forward(step, stage, received, args, kwargs)
 
-        with self._network_replaced(network_call), self._log_to(step.records[mb]):
-            out = getattr(self.module, step.mode)(step.microbatches[mb], *step.extra)
+        self._log.sink = step.records[mb]
+        try:
+            with _forward_replaced(self.network, network_call):
+                out = getattr(self.module, step.mode)(step.microbatches[mb], *step.extra)
+        finally:
+            self._log.sink = None
         if isinstance(out, DTensor) or not isinstance(out, Tensor):
             out = apply_to_collection(out, DTensor, to_plain)
         if step.mode != "training_step":
@@ -345,29 +271,24 @@ class PipelineRunner:
         weight = step.weights[mb] if step.weights is not None else self.loss_scale / len(step.microbatches)
         return (loss.float() * weight).reshape(1)
 
-    def _partial_forward(self, stage: int, received: Optional[Tensor], args: tuple, kwargs: dict) -> Any:
-        from lightning_hybrid.pipeline.stage import StageBoundary
-
-        with self.split.active(stage, received):
-            try:
+    def _partial_forward(
+        self, step: StepContext, stage: int, received: Optional[Tensor], args: tuple, kwargs: dict
+    ) -> Any:
+        """The network's forward on ``args`` restricted to ``stage`` (the split's swaps, and its hooks reading
+        ``step.active``): the stage's output activation, or the network's output on the last stage."""
+        step.active = (stage, received)
+        try:
+            with self.split.active(stage):
                 return self._network_forward(*args, **kwargs)
-            except StageBoundary as boundary:
-                return boundary.output
+        except StageBoundary as boundary:
+            return boundary.output
+        finally:
+            step.active = None
 
     # ------------------------------------------------------------------ schedules
     def _activation_meta(self, captured: tuple[tuple, dict]) -> Tensor:
         """The tensor that flows between stages, from a forward that stops at the block list's entrance (stubs
         make it cheap off the first stage); blocks map a hidden state to one of the same shape."""
-        seen: list[Tensor] = []
-
-        def probe(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            from lightning_hybrid._hooks import first_tensor
-
-            found = first_tensor(args, kwargs)
-            seen.append(found[1] if found else None)
-            raise _Captured((), {})
-
-        handle = self.split.blocks[0].register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
         stage = min(self.stages)
         # the probe calls the network directly, not through the stage module: gather ZeRO-3 input modules by hand
         fsdp = [m for m in self.stages.values() if hasattr(m, "unshard") and hasattr(m, "reshard")]
@@ -375,18 +296,15 @@ class PipelineRunner:
             m.unshard()
         try:
             # off the first stage the input modules are already stubs (split_network): nothing to switch
-            with torch.no_grad(), self.split.active(stage, None) if stage == 0 else nullcontext():
-                try:
-                    self._network_forward(*captured[0], **captured[1])
-                except _Captured:
-                    pass
+            with torch.no_grad(), self.split.active(stage) if stage == 0 else nullcontext():
+                entry = capture_call(self.split.blocks[0], lambda: self._network_forward(*captured[0], **captured[1]))
         finally:
-            handle.remove()
             for m in fsdp:
                 m.reshard()
-        if not seen or seen[0] is None:
+        found = first_tensor(*entry) if entry is not None else None
+        if found is None:
             raise HybridConfigError("Could not find the hidden state entering the block list for pipeline parallel.")
-        hidden = seen[0]
+        hidden = found[1]
         return torch.zeros(self.activation_shape(tuple(hidden.shape)), dtype=hidden.dtype, device=self.device)
 
     def _schedule(self, training: bool, m: int, captured: tuple[tuple, dict]) -> Any:
@@ -406,11 +324,18 @@ class PipelineRunner:
             inputs = torch.zeros(1, dtype=torch.long, device=self.device) if s == 0 else example
             loss_meta = torch.zeros(1, dtype=torch.float32, device=self.device).requires_grad_(training)
             outputs = example if s != self.last_stage else loss_meta
-            stage = pipelining.PipelineStage(
-                module, s, self.split.num_stages, self.device, input_args=inputs, output_args=outputs, group=group
+            stages.append(
+                TimedStage(
+                    module,
+                    s,
+                    self.split.num_stages,
+                    self.device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=group,
+                    timer=self._timer,
+                )  # fmt: skip
             )
-            self._time_stage(stage)
-            stages.append(stage)
         cls = getattr(pipelining, SCHEDULES[self.schedule_name])
         loss_fn = (lambda output, target: output.sum()) if training else None
         if self.schedule_name in MULTI_STAGE:
@@ -420,28 +345,6 @@ class PipelineRunner:
         self._cache[key] = schedule
         return schedule
 
-    def _time_stage(self, stage: Any) -> None:
-        """Record each compute action of the schedule (torch's schedules call these three methods per micro-batch)."""
-
-        def timed(kind: str, method: Callable) -> Callable:
-            def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
-                begin = time.perf_counter()
-                try:
-                    return method(chunk, *args, **kwargs)
-                finally:
-                    end = time.perf_counter()
-                    label = "I" if kind == "B" and kwargs.get("full_backward") is False else kind
-                    self.timeline.events.append(
-                        (label, stage.stage_index, chunk, begin - self._clock, end - self._clock)
-                    )
-
-            return run
-
-        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
-        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
-        if hasattr(stage, "backward_weight_one_chunk"):
-            stage.backward_weight_one_chunk = timed("W", stage.backward_weight_one_chunk)
-
     # ------------------------------------------------------------------ results
     def _take_gradients(self) -> list[tuple[nn.Parameter, Tensor]]:
         """Move gradients off the parameters. Lightning's loop calls ``zero_grad`` between ``training_step`` and
@@ -450,7 +353,7 @@ class PipelineRunner:
         accumulation (FSDP2 and autograd both add to an existing ``.grad``)."""
         tables = self._param_tables
         if tables is None:  # walking the module tree twice a step cost more than the moves
-            tables = self._param_tables = [m._parameters for m in self.module.modules() if m._parameters]
+            tables = self._param_tables = [t for t in map(module_parameters, self.module.modules()) if t]
         taken, seen = [], set()
         for table in tables:  # what is registered now, as parameters() gives: FSDP2 swaps its (un)sharded tensors in
             for p in table.values():
@@ -461,7 +364,9 @@ class PipelineRunner:
             p.grad = None
         return taken
 
-    def _share_results(self, step: _Step, training: bool) -> Any:
+    def _share_results(self, step: StepContext, training: bool) -> StepResults:
+        """The step's loss or outputs and its logged values (merged over micro-batches), from the last stage to
+        every rank of the pipeline group in one broadcast."""
         group = self.pp_mesh.get_group()
         last = self.last_stage in self.stages
         if training and self._schema is not None:
@@ -484,9 +389,8 @@ class PipelineRunner:
                 matches = bool(packed[0].item())  # the step's one host read off the last stage
             if matches:
                 values = packed.to(_log_dtype())
-                for (name, args, kwargs), value in zip(self._schema, values[2:]):
-                    self.module.log(name, value, *args, **kwargs)
-                return packed[1].to(torch.get_default_dtype())
+                logged = [(name, value, args, kwargs) for (name, args, kwargs), value in zip(self._schema, values[2:])]
+                return StepResults(packed[1].to(torch.get_default_dtype()), logged)
         payload: list[Any] = [None]
         if last:
             payload[0] = {
@@ -496,15 +400,63 @@ class PipelineRunner:
             }
         dist.broadcast_object_list(payload, src=self._last_global_rank, group=group)
         result = payload[0]
-        for name, value, args, kwargs in result["records"]:
-            self.module.log(name, value, *args, **kwargs)
+        records = result["records"]
         if training:
-            records = result["records"]
             scalars = all(isinstance(value, float) for _, value, _, _ in records)
             self._schema = [(name, args, kwargs) for name, _, args, kwargs in records] if scalars else None
-            return torch.tensor(result["loss"], device=self.device)
+            return StepResults(torch.tensor(result["loss"], device=self.device), records)
         outputs = result["outputs"]
-        return apply_to_collection(outputs, Tensor, lambda t: t.to(self.device)) if outputs is not None else None
+        if outputs is not None:
+            outputs = apply_to_collection(outputs, Tensor, lambda t: t.to(self.device))
+        return StepResults(outputs, records)
+
+
+@contextmanager
+def _forward_replaced(module: nn.Module, fn: Callable) -> Generator[None, None, None]:
+    """``module``'s calls run ``fn`` meanwhile. The instance dict is written directly: ``nn.Module.__setattr__``
+    checks parameters, buffers and submodules on every call, for a plain function attribute (once per micro-batch
+    here)."""
+    attrs = module.__dict__
+    attrs["forward"] = fn
+    try:
+        yield
+    finally:
+        del attrs["forward"]
+
+
+class _LogCollector:
+    """Stands in for ``LightningModule.log`` while the runner runs the user's step: each call is kept in ``sink``
+    (the current micro-batch's records on the last stage; values detached, DTensors made plain), or dropped when
+    ``sink`` is None (capturing the network's inputs, the verifier's reference). Lightning's own ``log`` runs once
+    per name per step, on the merged values (:meth:`StepResults.log`)."""
+
+    def __init__(self) -> None:
+        self.sink: Optional[list[LogRecord]] = None
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        sink = self.sink
+        if sink is None:
+            return
+        if isinstance(value, Tensor):  # the common case, without apply_to_collection's walk
+            value = (to_plain(value) if isinstance(value, DTensor) else value).detach().clone()
+        else:
+            value = apply_to_collection(value, DTensor, to_plain)
+            value = apply_to_collection(value, Tensor, lambda t: t.detach().clone())
+        sink.append((name, value, args, kwargs))
+
+    @contextmanager
+    def installed(self, module: nn.Module) -> Generator[None, None, None]:
+        """``module.log`` is this collector meanwhile (in the instance dict: no ``nn.Module.__setattr__``)."""
+        attrs = module.__dict__
+        outer = attrs.get("log", _MISSING)
+        attrs["log"] = self
+        try:
+            yield
+        finally:
+            if outer is _MISSING:
+                del attrs["log"]
+            else:
+                attrs["log"] = outer
 
 
 _MISSING = object()
@@ -523,7 +475,7 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _by_name(per_microbatch: list[list[_LogRecord]]) -> dict[str, tuple[list[Any], tuple, dict]]:
+def _by_name(per_microbatch: list[list[LogRecord]]) -> dict[str, tuple[list[Any], tuple, dict]]:
     """Each logged name's values over the micro-batches, with the arguments of its first record, in first-logged
     order (what both the tensor path and the object path of ``_share_results`` merge)."""
     merged: dict[str, tuple[list[Any], tuple, dict]] = {}
@@ -534,7 +486,7 @@ def _by_name(per_microbatch: list[list[_LogRecord]]) -> dict[str, tuple[list[Any
 
 
 def _scalar_means(
-    per_microbatch: list[list[_LogRecord]], schema: list[tuple[str, tuple, dict]], device: torch.device
+    per_microbatch: list[list[LogRecord]], schema: list[tuple[str, tuple, dict]], device: torch.device
 ) -> Optional[list[Tensor]]:
     """The micro-batch means of the logged values as float64 tensors on ``device`` (no host sync), in the schema's
     order; None when the records do not fit the schema (other names, order or arguments, or a value that is not a

@@ -17,17 +17,20 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from lightning_hybrid._hooks import first_tensor, map_first_input
+from lightning_hybrid._torch_compat import module_children
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.partition import StagePlan
 
-__all__ = ["NetworkSplit", "SkippedBlock", "StageBoundary", "StageModule"]
+if TYPE_CHECKING:
+    from lightning_hybrid.pipeline.step import StepContext
+
+__all__ = ["NetworkSplit", "SkippedBlock", "StageBoundary", "StageModule", "io_slots", "split_network"]
 
 
 class StageBoundary(Exception):
@@ -107,11 +110,7 @@ class NetworkSplit:
     input_slots: list[_Slot] = field(default_factory=list)
     output_slots: list[_Slot] = field(default_factory=list)
     # what `active` needs per stage, built on first use (a forward action is per micro-batch: keep it cheap)
-    _current: Optional[tuple[int, Optional[torch.Tensor]]] = field(default=None, init=False, repr=False)
     _swaps: dict[int, list[tuple[dict, str, nn.Module]]] = field(default_factory=dict, init=False, repr=False)
-    _hooks: dict[tuple[bool, int], tuple[nn.Module, RemovableHandle]] = field(
-        default_factory=dict, init=False, repr=False
-    )
 
     @property
     def num_stages(self) -> int:
@@ -130,27 +129,20 @@ class NetworkSplit:
         return modules
 
     @contextmanager
-    def active(self, stage: int, received: Optional[torch.Tensor]) -> Generator[None, None, None]:
-        """While the network's forward runs for ``stage``: only its blocks compute; a non-first stage takes
-        ``received`` as the first block's hidden state; a non-last stage stops after its last block."""
+    def active(self, stage: int) -> Generator[None, None, None]:
+        """While the network's forward runs for ``stage``: only its blocks compute, and off the first stage the input
+        modules are stubs. (Receiving the activation and stopping after the stage's last block are the hooks of
+        :meth:`attached`.)"""
         swaps = self._swaps.get(stage)
         if swaps is None:
             swaps = self._swaps[stage] = self._stage_swaps(stage)
-        own = self.plan.blocks(stage)
-        blocks = self.blocks._modules
-        if stage != 0:
-            self._hook(True, stage, blocks[str(own.start)])
-        if stage != self.num_stages - 1:
-            self._hook(False, stage, blocks[str(own.stop - 1)])
         # read the originals now: activation checkpointing or FSDP may have replaced modules since the first call
         originals = [table[key] for table, key, _ in swaps]
         for table, key, replacement in swaps:
             table[key] = replacement
-        previous, self._current = self._current, (stage, received)
         try:
             yield
         finally:
-            self._current = previous
             for (table, key, _), original in zip(swaps, originals):
                 table[key] = original
 
@@ -160,43 +152,58 @@ class NetworkSplit:
         Built once per stage."""
         skipped = SkippedBlock()  # stateless: one instance serves every position
         swaps: list[tuple[dict, str, nn.Module]] = [
-            (self.blocks._modules, str(i), skipped)
+            (module_children(self.blocks), str(i), skipped)
             for s in self.local_stages()
             if s != stage
             for i in self.plan.blocks(s)
         ]
         if stage != 0:
-            swaps += [(slot.parent._modules, slot.attr, _LiveInputStub(slot.module)) for slot in self.input_slots]
+            swaps += [
+                (module_children(slot.parent), slot.attr, _LiveInputStub(slot.module)) for slot in self.input_slots
+            ]
         return swaps
 
-    def _hook(self, first: bool, stage: int, module: nn.Module) -> None:
-        """A permanent hook that acts only while ``stage`` is active: on its first block, substitute the received
-        activation; on its last, stop the forward. Kept the module's last hook, as when it was added per action:
-        other pre-hooks (sequence-parallel re-layout) run before the substitution, other forward hooks before the
-        stop."""
-        entry = self._hooks.get((first, stage))
-        table = module._forward_pre_hooks if first else module._forward_hooks
-        if entry is not None and entry[0] is module and next(reversed(table), None) == entry[1].id:
-            return
-        if entry is not None:
-            entry[1].remove()
-        if first:
-            substitute = map_first_input(lambda _: self._current[1])  # type: ignore[index]
+    @contextmanager
+    def attached(self, step: StepContext) -> Generator[None, None, None]:
+        """For one step: on the first block of each of this rank's stages but the first, a forward pre-hook that
+        substitutes the activation ``step.active`` received; on the last block of each but the last, a forward hook
+        that stops the forward (:class:`StageBoundary`). Each acts only while its stage is ``step.active``.
+        Registered for the step, so they are the modules' last hooks: other pre-hooks (sequence-parallel re-layout)
+        run before the substitution, other forward hooks before the stop."""
+        blocks = module_children(self.blocks)
+        handles = []
+        for stage in self.local_stages():
+            own = self.plan.blocks(stage)
+            if stage != 0:
+                handles.append(
+                    blocks[str(own.start)].register_forward_pre_hook(_receiver(step, stage), with_kwargs=True)
+                )
+            if stage != self.num_stages - 1:
+                handles.append(blocks[str(own.stop - 1)].register_forward_hook(_stopper(step, stage)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
-            def receive(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-                current = self._current
-                return substitute(module, args, kwargs) if current is not None and current[0] == stage else None
 
-            handle = module.register_forward_pre_hook(receive, with_kwargs=True)
-        else:
+def _receiver(step: StepContext, stage: int) -> Callable:
+    substitute = map_first_input(lambda _: step.active[1])  # type: ignore[index]
 
-            def boundary(module: nn.Module, args: Any, output: Any) -> None:
-                current = self._current
-                if current is not None and current[0] == stage:
-                    _raise_boundary(module, args, output)
+    def receive(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        active = step.active
+        return substitute(module, args, kwargs) if active is not None and active[0] == stage else None
 
-            handle = module.register_forward_hook(boundary)
-        self._hooks[(first, stage)] = (module, handle)
+    return receive
+
+
+def _stopper(step: StepContext, stage: int) -> Callable:
+    def stop(module: nn.Module, args: Any, output: Any) -> None:
+        active = step.active
+        if active is not None and active[0] == stage:
+            _raise_boundary(module, args, output)
+
+    return stop
 
 
 def _raise_boundary(module: nn.Module, args: Any, output: Any) -> None:
@@ -204,7 +211,7 @@ def _raise_boundary(module: nn.Module, args: Any, output: Any) -> None:
     raise StageBoundary(tensor)
 
 
-def _slots(network: nn.Module, blocks_rel: str) -> tuple[list[_Slot], list[_Slot]]:
+def io_slots(network: nn.Module, blocks_rel: str) -> tuple[list[_Slot], list[_Slot]]:
     """Modules with parameters outside the blocks: inputs (the first stage holds them) and outputs (the last stage).
 
     Set-up runs no forward, so registration order stands in for call order: a module registered before the block list
@@ -252,13 +259,13 @@ def split_network(network: nn.Module, blocks_rel: str, plan: StagePlan, pipeline
     """
     blocks = network.get_submodule(blocks_rel)
     assert isinstance(blocks, (nn.ModuleList, nn.Sequential))
-    inputs, outputs = _slots(network, blocks_rel)
+    inputs, outputs = io_slots(network, blocks_rel)
     split = NetworkSplit(network, blocks, plan, pipeline_rank, inputs, outputs)
     mine = split.local_stages()
     held = {i for s in mine for i in plan.blocks(s)}
     for i in range(len(blocks)):
         if i not in held:
-            blocks._modules[str(i)] = SkippedBlock()
+            module_children(blocks)[str(i)] = SkippedBlock()
     if 0 not in mine:
         for slot in inputs:
             setattr(slot.parent, slot.attr, InputStub(slot.module))
@@ -272,14 +279,17 @@ def split_network(network: nn.Module, blocks_rel: str, plan: StagePlan, pipeline
 
 class StageModule(nn.Module):
     """What ``torch.distributed.pipelining.PipelineStage`` runs for one stage: its ``parameters()`` are exactly the
-    stage's own (zero-bubble schedules split weight and input gradients by them), and its ``forward`` hands the
-    micro-batch to the runner, which runs the network's forward restricted to this stage."""
+    stage's own (zero-bubble schedules split weight and input gradients by them), and its ``forward`` runs the
+    network's forward restricted to this stage for the step in ``context`` (set by the runner for each step)."""
 
-    def __init__(self, stage: int, parts: list[nn.Module], run: Callable[[int, torch.Tensor], Any]) -> None:
+    def __init__(self, stage: int, parts: list[nn.Module]) -> None:
         super().__init__()
         self.stage = stage
         self.parts = nn.ModuleList(parts)
-        self._run = run
+        self.context: Optional[StepContext] = None
 
     def forward(self, x: torch.Tensor) -> Any:
-        return self._run(self.stage, x)
+        step = self.context
+        if step is None:
+            raise RuntimeError("lightning-hybrid: a pipeline stage ran outside a pipeline step.")
+        return step.run_stage(step, self.stage, x)

@@ -1,0 +1,180 @@
+"""One pipeline step as data: what the stage modules read while torch's schedule runs them, what the step gives
+back to the strategy, and the timeline of its compute actions.
+
+* :class:`StepContext` is built by the runner for one step and handed to every stage module for the schedule's run
+  (``StageModule.context``); the split's receive/stop hooks read the stage being run from it (``active``).
+* :class:`StepResults` is the step's loss or outputs and its logged values, the same on every rank; the strategy
+  logs them once per step (:meth:`StepResults.log`).
+* :class:`TimedStage` is torch's ``PipelineStage`` timing each forward/backward action into a :class:`StepTimeline`.
+* :func:`capture_call` runs a callable up to a module's first call and returns that call's arguments.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+
+if TYPE_CHECKING:
+    from lightning_hybrid.pipeline.verify import FirstStepChecks
+
+__all__ = ["ActionTimer", "StepContext", "StepResults", "StepTimeline", "TimedStage", "capture_call"]
+
+LogRecord = tuple[str, Any, tuple, dict]
+"""One ``self.log(name, value, *args, **kwargs)`` call of the user's step."""
+
+
+@dataclass
+class StepContext:
+    """One pipeline step on this rank, passed to the stage modules for the schedule's run.
+
+    ``run_stage(context, stage, received)`` is what a stage module's forward calls (the runner's stage forward);
+    ``active`` is the stage whose forward is running and the activation it received (None between actions).
+    """
+
+    mode: str
+    microbatches: list[Any]
+    extra: tuple
+    captured: list[tuple[tuple, dict]]
+    """The network's arguments per micro-batch (only micro-batch 0 where this rank holds the last stage alone)."""
+    run_stage: Callable[[StepContext, int, Optional[Tensor]], Any]
+    counters: dict[int, int] = field(default_factory=dict)
+    losses: list[Tensor] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    records: list[list[LogRecord]] = field(default_factory=list)
+    """What the user's step logged, per micro-batch (last stage only)."""
+    weights: Optional[list[float]] = None
+    """Each micro-batch's factor on its loss (default: loss scale / micro-batches; verify_pipeline keeps one)."""
+    checks: Optional[FirstStepChecks] = None
+    """The structural checks, on the first training step only."""
+    active: Optional[tuple[int, Optional[Tensor]]] = None
+
+
+@dataclass
+class StepResults:
+    """What one pipeline step gives Lightning, the same on every rank: ``output`` (the loss of a training step, the
+    merged outputs of another step) and ``logged``, one record per name logged by the user's step: the mean over
+    micro-batches, as a single-device step over the whole batch gives for a mean-reduced value.
+
+    Example:
+        >>> results = StepResults(output=None, logged=[("loss", 1.5, (), {"sync_dist": True})])
+        >>> calls = []
+        >>> _ = results.log(lambda *args, **kwargs: calls.append((args, kwargs)))
+        >>> calls
+        [(('loss', 1.5), {'sync_dist': True})]
+    """
+
+    output: Any
+    logged: list[LogRecord] = field(default_factory=list)
+
+    def log(self, log: Callable[..., None], sync_group: Any = None) -> Any:
+        """Call ``log`` (``LightningModule.log``) once per logged name; a ``sync_dist=True`` record without its own
+        group reduces over ``sync_group`` (pipeline and tensor peers hold the same value: only the data-parallel
+        replicas differ). Returns ``output``."""
+        for name, value, args, kwargs in self.logged:
+            if sync_group is not None and kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
+                kwargs = {**kwargs, "sync_dist_group": sync_group}
+            log(name, value, *args, **kwargs)
+        return self.output
+
+
+@dataclass
+class StepTimeline:
+    """What this rank did during one pipeline step, from real timings (``time.perf_counter``).
+
+    ``events`` are (kind, stage, micro-batch, start, end) in seconds from the step's start; kind is ``F`` (forward),
+    ``B`` (full backward), ``I``/``W`` (input/weight halves of a zero-bubble backward). Everything else in the step is
+    communication or waiting: the bubble.
+    """
+
+    rank: int = 0
+    step_time: float = 0.0
+    events: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+
+    @property
+    def compute_time(self) -> float:
+        return sum(end - start for _, _, _, start, end in self.events)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step on this rank: 1 - compute / step time."""
+        return max(0.0, 1.0 - self.compute_time / self.step_time) if self.step_time > 0 else 0.0
+
+
+class ActionTimer:
+    """The timeline of the current step, shared by this rank's :class:`TimedStage` objects."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.timeline = StepTimeline(rank=rank)
+        self.start = 0.0
+
+    def begin(self) -> None:
+        self.timeline = StepTimeline(rank=self.rank)
+        self.start = time.perf_counter()
+
+    def end(self) -> None:
+        self.timeline.step_time = time.perf_counter() - self.start
+
+    def record(self, kind: str, stage: int, chunk: int, begin: float) -> None:
+        self.timeline.events.append((kind, stage, chunk, begin - self.start, time.perf_counter() - self.start))
+
+
+class TimedStage(PipelineStage):
+    """torch's ``PipelineStage``, recording each compute action the schedule runs on it (torch's schedules call
+    these three methods once per micro-batch) into ``timer``'s timeline. The method names are torch's stage
+    internals, checked on torch 2.11 and 2.13 (see ``lightning_hybrid._torch_compat``)."""
+
+    def __init__(self, *args: Any, timer: ActionTimer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timer = timer
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("F", fwd_chunk_id, super().forward_one_chunk, args, kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        kind = "I" if kwargs.get("full_backward") is False else "B"
+        return self._timed(kind, bwd_chunk_id, super().backward_one_chunk, args, kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("W", bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
+
+    def _timed(self, kind: str, chunk: int, action: Callable, args: tuple, kwargs: dict) -> Any:
+        begin = time.perf_counter()
+        try:
+            return action(chunk, *args, **kwargs)
+        finally:
+            self.timer.record(kind, self.stage_index, chunk, begin)
+
+
+class _Reached(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.call = (args, kwargs)
+
+
+def capture_call(module: nn.Module, run: Callable[[], Any]) -> Optional[tuple[tuple, dict]]:
+    """``run()`` up to ``module``'s first call: that call's (args, kwargs) as ``module`` receives them, before its
+    other forward pre-hooks; None if ``run`` returned without calling ``module``. Nothing after the call runs, so
+    capturing the network's inputs from the user's step costs the step's code before the network only.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> capture_call(net, lambda: net(1.0) + 1)
+        ((1.0,), {})
+    """
+
+    def reached(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Reached(args, kwargs)
+
+    handle = module.register_forward_pre_hook(reached, with_kwargs=True, prepend=True)
+    try:
+        run()
+    except _Reached as stop:
+        return stop.call
+    finally:
+        handle.remove()
+    return None
