@@ -6,18 +6,22 @@ same error before any process group or collective exists, so a bad configuration
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Optional, Union
 
 from lightning_hybrid.pipeline_schedules import PIPELINE_SCHEDULES
 
 __all__ = [
     "PIPELINE_PARTITIONS",
     "PIPELINE_SCHEDULES",
+    "CheckpointOptions",
     "HybridConfigError",
+    "LayoutRequest",
     "ParallelLayout",
+    "PipelineOptions",
+    "TensorParallelOptions",
+    "ZeroOptions",
     "check_partition",
-    "check_pipeline",
     "check_sizes",
 ]
 
@@ -90,43 +94,211 @@ def check_partition(partition: Any) -> None:
         )
 
 
-def check_pipeline(
-    *,
-    pipeline_parallel_size: int,
-    num_microbatches: Any,
-    pipeline_schedule: Any,
-    virtual_pipeline_size: Any,
-    pipeline_partition: Any = "uniform",
-) -> None:
-    """Pipeline options that need no model: schedule name, virtual stages, micro-batch count, partition."""
-    check_partition(pipeline_partition)
-    if pipeline_schedule not in PIPELINE_SCHEDULES:
-        raise HybridConfigError(f"`pipeline_schedule={pipeline_schedule!r}` is not one of {list(PIPELINE_SCHEDULES)}.")
-    v = _check_positive_int("virtual_pipeline_size", virtual_pipeline_size)
-    multi = pipeline_schedule in ("interleaved_1f1b", "interleaved_zero_bubble")
-    if multi and v < 2:
-        raise HybridConfigError(
-            f"`pipeline_schedule={pipeline_schedule!r}` runs several stages per rank: set `virtual_pipeline_size`"
-            " >= 2 (stages per rank), or use '1f1b'."
-        )
-    if pipeline_schedule == "zbv_zero_bubble" and v != 2:
-        raise HybridConfigError(
-            "`pipeline_schedule='zbv_zero_bubble'` places exactly 2 stages per rank (a V): set"
-            " `virtual_pipeline_size=2`."
-        )
-    if pipeline_schedule in ("gpipe", "1f1b") and v != 1:
-        raise HybridConfigError(
-            f"`virtual_pipeline_size={v}` needs an interleaved schedule: set `pipeline_schedule='interleaved_1f1b'`"
-            " (or 'interleaved_zero_bubble')."
-        )
-    if num_microbatches is not None:
-        m = _check_positive_int("num_microbatches", num_microbatches)
-        if pipeline_parallel_size > 1 and pipeline_schedule != "gpipe" and m < pipeline_parallel_size:
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelOptions:
+    """How layers are split over the tensor-parallel ranks (``HybridStrategy``'s tensor-parallel arguments).
+
+    Example:
+        >>> TensorParallelOptions(plan={"*.mlp.up": "colwise", "*.mlp.down": "rowwise"}).vocab_parallel_loss
+        True
+    """
+
+    plan: Union[str, dict[str, Any]] = "auto"
+    """``"auto"`` (find the plan) or ``{module-name pattern: "colwise" | "rowwise" | ParallelStyle}``
+    (``tensor_parallel_plan``)."""
+    vocab_parallel_loss: bool = True
+    """Keep the logits sharded over the vocabulary so cross-entropy never gathers them."""
+
+    def __post_init__(self) -> None:
+        if not (self.plan == "auto" or isinstance(self.plan, dict)):
             raise HybridConfigError(
-                f"`num_microbatches={m}` is smaller than `pipeline_parallel_size={pipeline_parallel_size}`: schedule"
-                f" {pipeline_schedule!r} needs at least one micro-batch per stage in flight. Use num_microbatches >="
-                f" {pipeline_parallel_size} (more micro-batches shrink the pipeline bubble)."
+                f"`tensor_parallel_plan` must be 'auto' or a dict {{module-name pattern: style}}, got {self.plan!r}."
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """How the block list is cut into stages and scheduled (``HybridStrategy``'s pipeline arguments).
+
+    Example:
+        >>> PipelineOptions(schedule="interleaved_1f1b", virtual_size=2, num_microbatches=8).partition
+        'uniform'
+    """
+
+    num_microbatches: Optional[int] = None
+    """Micro-batches per optimizer step (``None``: the pipeline size, filled in by :meth:`LayoutRequest.resolve`)."""
+    schedule: str = "1f1b"
+    """One of :data:`PIPELINE_SCHEDULES` (``pipeline_schedule``)."""
+    virtual_size: int = 1
+    """Stages per rank for the interleaved and zero-bubble schedules (``virtual_pipeline_size``)."""
+    partition: Union[str, list[int]] = "uniform"
+    """One of :data:`PIPELINE_PARTITIONS` or block counts per stage (``pipeline_partition``)."""
+    network: Optional[str] = None
+    """The module ``training_step`` calls, if not the block list's owner (``pipeline_network``)."""
+    verify: Union[bool, str] = "auto"
+    """``verify_pipeline``: on the first batch, compare the pipelined loss and gradient norm of one micro-batch with
+    an unsplit forward of a copy of the network on one rank, and refuse the run on a mismatch. ``"auto"``: on for fp32
+    models of at most 100M parameters; ``True``: always; ``False``: off (the structural checks of the first step still
+    run)."""
+
+    def __post_init__(self) -> None:
+        from lightning_hybrid.pipeline.verify import check_verify_pipeline
+
+        check_partition(self.partition)
+        schedule, v = self.schedule, self.virtual_size
+        if schedule not in PIPELINE_SCHEDULES:
+            raise HybridConfigError(f"`pipeline_schedule={schedule!r}` is not one of {list(PIPELINE_SCHEDULES)}.")
+        _check_positive_int("virtual_pipeline_size", v)
+        if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and v < 2:
+            raise HybridConfigError(
+                f"`pipeline_schedule={schedule!r}` runs several stages per rank: set `virtual_pipeline_size`"
+                " >= 2 (stages per rank), or use '1f1b'."
+            )
+        if schedule == "zbv_zero_bubble" and v != 2:
+            raise HybridConfigError(
+                "`pipeline_schedule='zbv_zero_bubble'` places exactly 2 stages per rank (a V): set"
+                " `virtual_pipeline_size=2`."
+            )
+        if schedule in ("gpipe", "1f1b") and v != 1:
+            raise HybridConfigError(
+                f"`virtual_pipeline_size={v}` needs an interleaved schedule: set `pipeline_schedule='interleaved_1f1b'`"
+                " (or 'interleaved_zero_bubble')."
+            )
+        if self.num_microbatches is not None:
+            _check_positive_int("num_microbatches", self.num_microbatches)
+        check_verify_pipeline(self.verify)
+
+    def check_stages(self, pipeline_parallel_size: int) -> None:
+        """The micro-batch count against the number of pipeline ranks."""
+        m, pp = self.num_microbatches, pipeline_parallel_size
+        if m is not None and pp > 1 and self.schedule != "gpipe" and m < pp:
+            raise HybridConfigError(
+                f"`num_microbatches={m}` is smaller than `pipeline_parallel_size={pp}`: schedule"
+                f" {self.schedule!r} needs at least one micro-batch per stage in flight. Use num_microbatches >="
+                f" {pp} (more micro-batches shrink the pipeline bubble)."
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroOptions:
+    """How gradients and optimizer state are reduced and sharded over the data-parallel ranks.
+
+    Example:
+        >>> ZeroOptions(bucket_cap_mb=50).bucket_cap_mb
+        50.0
+    """
+
+    gradient_sync: str = "per_step"
+    """``zero3_gradient_sync``, ZeRO-3 under pipeline parallel: ``"per_step"`` keeps each stage's gradients unsharded
+    across micro-batches and reduce-scatters once per step (more memory, less communication); ``"per_microbatch"``
+    reduce-scatters and frees them after every micro-batch's backward."""
+    overlap_grad_reduce: bool = True
+    """At ``zero_stage=0`` without pipeline parallel (and without a ``-true`` precision's master weights), average the
+    gradients over the data-parallel replicas in buckets during the step's last backward pass, overlapping
+    communication with backward as DDP does; at ``zero_stage=2`` without pipeline parallel, reduce each bucket to the
+    ranks that own its shard during every backward pass, so no rank holds the full gradient; ``False``: one reduction
+    of all gradients after backward."""
+    bucket_cap_mb: float = 25.0
+    """Size of those buckets in MiB (DDP's ``bucket_cap_mb``; the first bucket is at most 1 MiB)."""
+    offload_optimizer: bool = False
+    """Keep this rank's fp32 master weights and Adam moments in host memory and step them with DeepSpeed's
+    ``DeepSpeedCPUAdam`` (ZeRO-Offload; needs ``pip install "lightning-hybrid[deepspeed]"`` and a torch Adam/AdamW
+    optimizer). The device keeps parameters and gradients only."""
+
+    def __post_init__(self) -> None:
+        if self.gradient_sync not in ("per_step", "per_microbatch"):
+            raise HybridConfigError(
+                f"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch', got {self.gradient_sync!r}."
+            )
+        size = self.bucket_cap_mb
+        if not (isinstance(size, (int, float)) and size > 0):
+            raise HybridConfigError(f"`bucket_cap_mb` must be a positive number of MiB, got {size!r}.")
+        object.__setattr__(self, "bucket_cap_mb", float(size))
+        object.__setattr__(self, "offload_optimizer", bool(self.offload_optimizer))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """How checkpoints are written and checked (``async_checkpoint``, ``checkpoint_verify``).
+
+    Example:
+        >>> CheckpointOptions(asynchronous=True).verify
+        True
+    """
+
+    asynchronous: bool = False
+    """``async_checkpoint``: write checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save
+    copies this rank's shards to CPU memory and training goes on while they are written; the next save and the end of
+    training wait for it. The checkpoint appears under its name only once complete, as with synchronous saves."""
+    verify: bool = True
+    """``checkpoint_verify``: on load, check every file of the checkpoint against the size and SHA-256 its commit
+    record holds (each rank hashes its share of the files: about 1-2 s of one core per GB), and let
+    ``ckpt_path="last"`` skip a checkpoint that fails for the newest one in its directory that passes. ``False`` loads
+    without hashing (sizes are still checked), also checkpoints without a commit record. Saves always write the
+    record."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutRequest:
+    """The layout as asked for, before the world size is known: validated on construction (on every rank alike,
+    collective-free), completed by :meth:`resolve`.
+
+    Example:
+        >>> LayoutRequest(tensor_parallel_size=2, pipeline_parallel_size=2).resolve(8).data_parallel_size
+        2
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: Union[int, Literal["auto"]] = "auto"
+    zero_stage: int = 1
+    sequence_parallel: bool = False
+    tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+
+    def __post_init__(self) -> None:
+        check_sizes(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            zero_stage=self.zero_stage,
+            sequence_parallel=self.sequence_parallel,
+        )
+        self.pipeline.check_stages(self.pipeline_parallel_size)
+
+    def resolve(self, world_size: int) -> ParallelLayout:
+        """Validate the sizes against the world size and fill in ``data_parallel_size="auto"`` and the micro-batch
+        count."""
+        _check_positive_int("world_size", world_size)
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if world_size % (tp * pp) != 0:
+            raise HybridConfigError(
+                f"The world size ({world_size}) is not divisible by tensor_parallel_size x pipeline_parallel_size"
+                f" ({tp} x {pp} = {tp * pp}). Change `tensor_parallel_size`/`pipeline_parallel_size`, or launch a"
+                f" multiple of {tp * pp} processes (devices x num_nodes)."
+            )
+        if self.data_parallel_size == "auto":
+            dp = world_size // (tp * pp)
+        else:
+            dp = self.data_parallel_size
+            if tp * pp * dp != world_size:
+                raise HybridConfigError(
+                    f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {tp} x {pp} x {dp} ="
+                    f" {tp * pp * dp}, but the world size is {world_size}. Set `data_parallel_size='auto'`"
+                    f" (= {world_size // (tp * pp)}) or change the sizes so that their product is {world_size}."
+                )
+        return ParallelLayout(
+            world_size=world_size,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            data_parallel_size=dp,
+            zero_stage=self.zero_stage,
+            sequence_parallel=self.sequence_parallel,
+            tensor_parallel=self.tensor_parallel,
+            pipeline=replace(self.pipeline, num_microbatches=self.pipeline.num_microbatches or pp),
+            zero=self.zero,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,64 +323,38 @@ class ParallelLayout:
     """0: replicate; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence between tensor-parallel regions (Megatron-SP)."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Free-form layout facts recorded with the run (schedule, micro-batches, precision, ...)."""
+    tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
+    """How layers are split over the tensor dimension."""
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    """How the blocks are cut into stages and scheduled (used when ``pipeline_parallel_size`` > 1)."""
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+    """How gradients and optimizer state are reduced and sharded over the data dimension."""
 
     @classmethod
-    def resolve(
-        cls,
-        *,
-        world_size: int,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        data_parallel_size: Union[int, Literal["auto"]] = "auto",
-        zero_stage: int = 1,
-        sequence_parallel: bool = False,
-        **extras: Any,
-    ) -> ParallelLayout:
-        """Validate the sizes against the world size and fill in ``data_parallel_size="auto"``."""
-        _check_positive_int("world_size", world_size)
-        check_sizes(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size,
-            zero_stage=zero_stage,
-            sequence_parallel=sequence_parallel,
-        )
-        tp, pp = tensor_parallel_size, pipeline_parallel_size
-        if world_size % (tp * pp) != 0:
-            raise HybridConfigError(
-                f"The world size ({world_size}) is not divisible by tensor_parallel_size x pipeline_parallel_size"
-                f" ({tp} x {pp} = {tp * pp}). Change `tensor_parallel_size`/`pipeline_parallel_size`, or launch a"
-                f" multiple of {tp * pp} processes (devices x num_nodes)."
-            )
-        if data_parallel_size == "auto":
-            dp = world_size // (tp * pp)
-        else:
-            dp = data_parallel_size
-            if tp * pp * dp != world_size:
-                raise HybridConfigError(
-                    f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {tp} x {pp} x {dp} ="
-                    f" {tp * pp * dp}, but the world size is {world_size}. Set `data_parallel_size='auto'`"
-                    f" (= {world_size // (tp * pp)}) or change the sizes so that their product is {world_size}."
-                )
-        return cls(
-            world_size=world_size,
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            data_parallel_size=dp,
-            zero_stage=zero_stage,
-            sequence_parallel=sequence_parallel,
-            extras=dict(extras),
-        )
+    def resolve(cls, *, world_size: int, **request: Any) -> ParallelLayout:
+        """Validate the sizes against the world size and fill in ``data_parallel_size="auto"`` (``request``: the
+        fields of :class:`LayoutRequest`)."""
+        return LayoutRequest(**request).resolve(world_size)
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pipeline, data, tensor) coordinates of a global rank; tensor varies fastest (Megatron's rank order)."""
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
         return rank // (tp * dp), (rank // tp) % dp, rank % tp
 
+    def recorded_options(self) -> dict[str, Any]:
+        """The pipeline settings recorded with the run, flat (none without pipeline parallel)."""
+        if self.pipeline_parallel_size == 1:
+            return {}
+        p = self.pipeline
+        return {
+            "num_microbatches": p.num_microbatches,
+            "pipeline_schedule": p.schedule,
+            "virtual_pipeline_size": p.virtual_size,
+            "pipeline_partition": p.partition,
+        }
+
     def as_dict(self) -> dict[str, Any]:
         """The layout as plain types (for loggers, checkpoints and the start-up table)."""
-        out = asdict(self)
-        out.update(out.pop("extras"))
-        return out
+        sizes = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "zero_stage")
+        return {**{k: getattr(self, k) for k in sizes}, "sequence_parallel": self.sequence_parallel,
+                **self.recorded_options()}  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -9,14 +10,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_hybrid import _lightning_compat as compat
 from lightning_hybrid._torch_compat import group_options
 from lightning_hybrid.config import ParallelLayout
+from lightning_hybrid.watchdog import configure_flight_recorder
 
 __all__ = [
     "LIGHTNING_DIM_NAMES",
     "MESH_DIM_NAMES",
     "HybridDeviceMesh",
     "build_device_mesh",
+    "init_process_groups",
     "format_rank_table",
     "gather_rank_devices",
     "with_lightning_names",
@@ -133,10 +137,40 @@ def format_rank_table(layout: ParallelLayout, rank_devices: list[tuple[str, str,
         f"  pp={layout.pipeline_parallel_size}  dp={layout.data_parallel_size}  zero_stage={layout.zero_stage}"
         f"  sequence_parallel={layout.sequence_parallel}"
     )
-    extras = "  ".join(f"{k}={v}" for k, v in layout.extras.items())
+    extras = "  ".join(f"{k}={v}" for k, v in layout.recorded_options().items())
     lines = [head] + ([f"  {extras}"] if extras else [])
     lines.append(f"  {'rank':>4}  {'pp':>2} {'dp':>2} {'tp':>2}  device")
     for rank, (host, device, _) in enumerate(rank_devices):
         p, d, t = layout.coordinates(rank)
         lines.append(f"  {rank:>4}  {p:>2} {d:>2} {t:>2}  {host}:{device}")
     return "\n".join(lines)
+
+
+def init_process_groups(cluster_environment: Any, backend: str, device: torch.device, timeout: timedelta) -> None:
+    """Start the default process group with ``timeout`` on every collective (a no-op if it exists), with torch's
+    flight recorder configured first, and destroy every group at exit.
+
+    Example:
+        >>> # init_process_groups(strategy.cluster_environment, "gloo", torch.device("cpu"), timedelta(minutes=10))
+    """
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    created = not compat.distributed_is_initialized()
+    configure_flight_recorder(backend)  # before the groups exist
+    compat.init_dist_connection(cluster_environment, backend, **kwargs)
+    if created:
+        # Destroy every process group at exit, while the interpreter is still whole. Lightning registers this for
+        # NCCL only; a gloo group left to interpreter finalization can abort the finished process ("terminate
+        # called without an active exception"): its worker threads release tensors, which takes the GIL, and a
+        # thread taking the GIL during finalization is ended by pthread_exit. A no-op if already destroyed.
+        atexit.register(_destroy_groups_at_exit)
+
+
+def _destroy_groups_at_exit() -> None:
+    """Destroy every process group, then free what they leave behind (work objects, tensors their threads still
+    reference) while the interpreter can still run the destructors, instead of during finalization."""
+    import gc
+
+    compat.destroy_dist_connection()
+    gc.collect()

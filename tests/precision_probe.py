@@ -36,7 +36,7 @@ class InjectInf(L.Callback):
                 self.injected_into = name
                 return
         # ZeRO-2 buckets: backward has already reduced the gradients into this rank's shard
-        for zero in getattr(trainer.strategy, "_sharded_optimizers", []):
+        for zero in trainer.strategy.sharded_optimizers:
             if isinstance(zero.buckets, ShardedGradientBuckets):
                 shard = zero.buckets.accumulated(0)
                 if shard is not None and shard.numel() > 0:
@@ -110,7 +110,7 @@ class ForceScale(L.Callback):
 def _master_value(trainer: L.Trainer, pl_module: L.LightningModule, name: str) -> float | None:
     """The first element of ``name``'s fp32 master copy, if this rank's ZeRO shard holds it."""
     target = dict(pl_module.named_parameters()).get(name)
-    for zero in getattr(trainer.strategy, "_sharded_optimizers", []):
+    for zero in trainer.strategy.sharded_optimizers:
         for group in zero.groups:
             offset = 0
             for p in group.params:

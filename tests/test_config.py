@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_hybrid import HybridConfigError, HybridStrategy, ParallelLayout
+from lightning_hybrid.config import PipelineOptions, TensorParallelOptions, ZeroOptions
 from lightning_hybrid.sharding import expected_model_state_bytes, measure_model_state_bytes
 from lightning_hybrid.structure import find_model_structure
 from lightning_hybrid.tensor_parallel import (
@@ -113,10 +114,37 @@ def test_layout_fills_in_data_parallel_size(world, tp, pp, dp, want_dp):
     assert layout.as_dict()["zero_stage"] == 2
 
 
-def test_layout_extras_are_recorded_flat():
-    layout = ParallelLayout.resolve(world_size=4, tensor_parallel_size=2, num_microbatches=4)
-    assert layout.extras == {"num_microbatches": 4}
-    assert layout.as_dict()["num_microbatches"] == 4 and "extras" not in layout.as_dict()
+def test_layout_pipeline_options_are_recorded_flat():
+    layout = ParallelLayout.resolve(
+        world_size=4, pipeline_parallel_size=2, pipeline=PipelineOptions(num_microbatches=4)
+    )
+    assert layout.pipeline.num_microbatches == 4
+    assert layout.as_dict()["num_microbatches"] == 4 and "pipeline" not in layout.as_dict()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: TensorParallelOptions(plan="manual"), r"`tensor_parallel_plan` must be 'auto' or a dict"),
+        (lambda: PipelineOptions(schedule="fast"), r"`pipeline_schedule='fast'` is not one of"),
+        (lambda: PipelineOptions(virtual_size=2), r"`virtual_pipeline_size=2` needs an interleaved schedule"),
+        (lambda: PipelineOptions(verify="yes"), r"`verify_pipeline` must be True, False or 'auto'"),
+        (lambda: ZeroOptions(bucket_cap_mb=0), r"`bucket_cap_mb` must be a positive number of MiB, got 0\."),
+        (lambda: ZeroOptions(gradient_sync="never"), r"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch'"),
+    ],
+)  # fmt: skip
+def test_option_sections_check_themselves(make, match):
+    with pytest.raises(HybridConfigError, match=match):
+        make()
+
+
+def test_option_sections_are_frozen_and_carried_on_the_layout():
+    layout = ParallelLayout.resolve(world_size=4, pipeline_parallel_size=2, zero=ZeroOptions(bucket_cap_mb=50))
+    assert layout.zero.bucket_cap_mb == 50.0 and layout.pipeline.num_microbatches == 2  # default: the pipeline size
+    with pytest.raises(AttributeError):
+        layout.zero.bucket_cap_mb = 1.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        PipelineOptions("1f1b")  # type: ignore[misc]  # keyword-only
 
 
 def test_coordinates_tensor_fastest_pipeline_slowest():
@@ -151,7 +179,9 @@ def test_rank_table_lists_every_rank_with_its_coordinates():
 
 
 def test_rank_table_shows_extras():
-    layout = ParallelLayout.resolve(world_size=2, num_microbatches=4)
+    layout = ParallelLayout.resolve(
+        world_size=2, pipeline_parallel_size=2, pipeline=PipelineOptions(num_microbatches=4)
+    )
     assert "num_microbatches=4" in format_rank_table(layout, [("h", "cpu", 1), ("h", "cpu", 2)])
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hybrid._hooks import tensors_in
+from lightning_hybrid._lightning_compat import module_device_mesh, module_trainer
 from lightning_hybrid.agreement import raise_together
 from lightning_hybrid.config import HybridConfigError
 
@@ -416,7 +417,7 @@ def make_verifier(
     is_reference = coordinates == {"pipeline": last_stage_rank, "data": 0, "tensor": 0}
     reference_rank = int(mesh.mesh[last_stage_rank, 0, 0])
     # the LightningModule may be the network: its trainer and mesh are shared, not copied
-    memo = {id(v): v for v in (getattr(module, "_trainer", None), getattr(module, "_device_mesh", None)) if v}
+    memo = {id(v): v for v in (module_trainer(module), module_device_mesh(module)) if v}
     return PipelineVerifier(
         reference=copy.deepcopy(network, memo) if is_reference else None,
         data_group=mesh["data"].get_group(),

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.config import HybridConfigError, LayoutRequest
 
-__all__ = ["auto_layout", "check_auto_layout"]
+__all__ = ["auto_layout", "auto_request", "check_auto_layout"]
 
 _DEFAULT_SIZES = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": "auto", "zero_stage": 1}
 
@@ -94,3 +95,23 @@ def auto_layout(
         f" ({best.reason}); ledger per device: {ledger}\n{result.table(limit=5)}"
     )
     return sizes, (c.num_microbatches if c.pipeline_parallel_size > 1 else None), message
+
+
+def auto_request(request: LayoutRequest, module: nn.Module, **machine: Any) -> tuple[LayoutRequest, str]:
+    """``request`` with the sizes and micro-batch count of :func:`auto_layout`'s best layout (``machine``: its
+    ``world_size``, ``devices_per_node``, ``device``, ``device_memory``, ``precision``, ``activation_checkpointing``),
+    and the lines to log. The schedule, virtual stages and sequence parallel setting are the request's own.
+
+    Example:
+        >>> # request, message = auto_request(request, module, world_size=8, devices_per_node=8, ...)
+    """
+    pipeline = request.pipeline
+    sizes, num_microbatches, message = auto_layout(
+        module,
+        schedule=pipeline.schedule,
+        virtual_stages=pipeline.virtual_size,
+        sequence_parallel=request.sequence_parallel,
+        **machine,
+    )
+    # num_microbatches None: the pipeline size (LayoutRequest.resolve)
+    return replace(request, **sizes, pipeline=replace(pipeline, num_microbatches=num_microbatches)), message

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning_utilities import apply_to_collection
@@ -28,8 +27,12 @@ from torch import Tensor, nn
 from torch.optim import LBFGS
 from typing_extensions import override
 
+from lightning_hybrid._lightning_compat import convert_fp_tensor, module_trainer, wrap_closure
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.precision.loss_scaler import DynamicLossScaler
+
+if TYPE_CHECKING:
+    from lightning_hybrid.sharding.step import GradientStep
 
 __all__ = ["HybridPrecision", "PRECISIONS"]
 
@@ -101,7 +104,7 @@ class HybridPrecision(Precision):
                 on_min_scale=on_min_scale,
                 max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             )
-        self._clip_by_norm: Optional[Callable[[float], float]] = None
+        self._gradient_step: Optional[GradientStep] = None
         self.found_inf = False
         """Whether the current/last optimizer step saw an overflow on some rank (and was skipped)."""
         self.last_gradient_norm: Optional[float] = None
@@ -133,6 +136,11 @@ class HybridPrecision(Precision):
             return cls(plugin.precision)
         return plugin
 
+    def use_gradient_step(self, gradient_step: GradientStep) -> None:
+        """Clip by norm through the strategy's gradient step (the global norm over every shard); the strategy calls
+        this once its optimizers are set up."""
+        self._gradient_step = gradient_step
+
     # ------------------------------------------------------------------ model and data
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -142,7 +150,7 @@ class HybridPrecision(Precision):
     def convert_input(self, data: Any) -> Any:
         if self.parameter_dtype == torch.float32:
             return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.parameter_dtype)
+        return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=self.parameter_dtype)
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
@@ -184,7 +192,7 @@ class HybridPrecision(Precision):
             raise HybridConfigError("fp16 loss scaling cannot step LBFGS (its step re-evaluates the closure).")
         # the closure runs forward, backward, the reduction, the unscale and the overflow check (strategy), then the
         # hooks and clipping (_after_closure); the step itself is skipped on every rank if any rank overflowed
-        closure_result = self._wrap_closure(model, optimizer, closure)
+        closure_result = wrap_closure(self, model, optimizer, closure)
         found_inf = self.found_inf
         self.scaler.update(found_inf)
         if found_inf and self.scaler.stop_requested:
@@ -198,9 +206,9 @@ class HybridPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         if self.found_inf:
             return  # the step is skipped; the norm of overflowed gradients means nothing
-        if self._clip_by_norm is None:
+        if self._gradient_step is None:
             raise RuntimeError("HybridPrecision clips by norm only inside HybridStrategy.")
-        self.last_gradient_norm = self._clip_by_norm(float(clip_val))
+        self.last_gradient_norm = self._gradient_step.clip_(float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
@@ -222,7 +230,7 @@ def _stop_training(model: Any, scaler: DynamicLossScaler) -> None:
     """End the fit after the step, as ``EarlyStopping(check_finite=True)`` does: every rank sets ``should_stop`` at
     the same step (the overflow flag is world-wide), so Lightning's loop ends alike everywhere, with no collective
     left waiting, and the callbacks' end-of-training hooks run."""
-    trainer = getattr(model, "_trainer", None)
+    trainer = module_trainer(model)
     if trainer is None or trainer.should_stop:
         return
     trainer.should_stop = True

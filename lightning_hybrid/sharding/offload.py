@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_hybrid._lightning_compat import unwrap_optimizer
 from lightning_hybrid._torch_compat import (
     dtensor_local_data,
     extension_build_directory,
@@ -340,7 +341,7 @@ def attach_offload(optimizers: list[Optimizer], sharded: list[Optional[ShardedOp
     """Offload every optimizer (the strategy's ``setup_optimizers``); ``sharded[i]`` is optimizer ``i``'s ZeRO
     wrapper, or None at ZeRO-3. Raises :class:`HybridConfigError` alike on every rank for an optimizer it cannot
     replace, before loading DeepSpeed."""
-    raws = [getattr(o, "_optimizer", o) for o in optimizers]
+    raws = [unwrap_optimizer(o) for o in optimizers]
     for raw in raws:
         check_offloadable(raw)
     return [OptimizerOffload(raw, z) for raw, z in zip(raws, sharded)]

@@ -142,12 +142,14 @@ def apply_tensor_parallel(
     single-device gradient on every tensor-parallel rank: ``"avg"`` where all ranks computed the full gradient (it
     only removes drift), ``"sum"`` inside a split region, where each rank saw only its share of the heads.
 
+    ``plan`` has passed :func:`validate_tensor_parallel_plan` on the whole model (every rank alike, before a pipeline
+    cut restricts it to what this rank holds).
+
     Example:
         >>> # inside HybridStrategy.setup, after the mesh exists:
         >>> # replicated = apply_tensor_parallel(module, structure, plan, mesh["tensor"], sequence_parallel=False)
     """
     tp = mesh.size()
-    validate_tensor_parallel_plan(root, plan, tp)
     if sequence_parallel and plan.inside_split is not None:
         raise HybridConfigError(
             "`sequence_parallel=True` hooks the inputs of each split region's module, and a plan found from the data"

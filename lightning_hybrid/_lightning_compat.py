@@ -1,0 +1,154 @@
+"""Every private Lightning name lightning-hybrid uses, in one place.
+
+Each entry says the Lightning versions it was checked on and the public API to switch to once Lightning has one. No
+other module of the package imports a private Lightning name or reads a private Lightning attribute: a Lightning
+release that renames one breaks this file only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+# checked on lightning 2.6.6 (2.6.x); public replacement: none yet (a public ``convert_input`` helper of Precision)
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as convert_fp_tensor
+
+# checked on lightning 2.6.6 (2.6.x); public replacement: none yet (``torch.distributed`` directly)
+from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection as destroy_dist_connection,
+)
+
+# checked on lightning 2.6.6 (2.6.x); public replacement: ``torch.distributed.is_available() and is_initialized()``
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized as distributed_is_initialized,
+)
+
+# checked on lightning 2.6.6 (2.6.x); public replacement: none yet (nccl on CUDA, gloo otherwise)
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+
+# checked on lightning 2.6.6 (2.6.x); public replacement: none yet (``torch.distributed.init_process_group`` with the
+# cluster environment's rank, world size and rendezvous variables)
+from lightning.fabric.utilities.distributed import (
+    _init_dist_connection as init_dist_connection,
+)
+
+# checked on lightning 2.6.6 (2.6.x); public replacement: ``lightning.fabric.utilities.distributed.sync_ddp`` once
+# it skips the non-distributed case itself
+from lightning.fabric.utilities.distributed import (
+    _sync_ddp_if_available as sync_ddp_if_available,
+)
+
+# checked on lightning 2.6.6 (2.6.x); public replacement: none yet (Lightning's DDP/FSDP strategies build it too)
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+
+__all__ = [
+    "SubprocessScriptLauncher",
+    "convert_fp_tensor",
+    "default_process_group_backend",
+    "destroy_dist_connection",
+    "distributed_is_initialized",
+    "finished_batches_of_epoch",
+    "init_dist_connection",
+    "layer_sync",
+    "module_device_mesh",
+    "module_trainer",
+    "set_module_device_mesh",
+    "set_launcher",
+    "set_world_ranks",
+    "sync_ddp_if_available",
+    "unwrap_optimizer",
+    "wrap_closure",
+]
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The user's optimizer inside a ``LightningOptimizer`` (the optimizer itself if it is not wrapped).
+
+    ``LightningOptimizer._optimizer``: checked on lightning 2.6.6 (2.6.x); public replacement: ``.optimizer``
+    (present in 2.6 as a property; switch once every supported Lightning has it).
+    """
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def wrap_closure(plugin: Any, model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:
+    """Run the optimizer closure with Lightning's ``_after_closure`` hooks (``on_before_optimizer_step``, clipping).
+
+    ``Precision._wrap_closure``: checked on lightning 2.6.6 (2.6.x); public replacement: none yet.
+    """
+    return plugin._wrap_closure(model, optimizer, closure)
+
+
+def module_trainer(module: Any) -> Optional[Any]:
+    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none).
+
+    ``LightningModule._trainer``: checked on lightning 2.6.6 (2.6.x); public replacement: ``module.trainer`` once it
+    returns None instead of raising.
+    """
+    return getattr(module, "_trainer", None)
+
+
+def module_device_mesh(module: Any) -> Optional[Any]:
+    """The mesh a LightningModule was given (None before; ``module.device_mesh`` raises then).
+
+    ``LightningModule._device_mesh``: checked on lightning 2.6.6 (2.6.x); public replacement: ``module.device_mesh``
+    once it returns None instead of raising.
+    """
+    return getattr(module, "_device_mesh", None)
+
+
+def set_module_device_mesh(module: Any, mesh: Any) -> None:
+    """Make ``LightningModule.device_mesh`` answer with the strategy's mesh (as ``ModelParallelStrategy`` does).
+
+    ``LightningModule._device_mesh``: checked on lightning 2.6.6 (2.6.x); public replacement: none yet.
+    """
+    module._device_mesh = mesh
+
+
+def layer_sync(strategy: Any) -> Any:
+    """``Trainer(sync_batchnorm=True)``'s plugin, or None.
+
+    ``Strategy._layer_sync``: checked on lightning 2.6.6 (2.6.x); public replacement: none yet.
+    """
+    return strategy._layer_sync
+
+
+def set_launcher(strategy: Any) -> None:
+    """What a strategy's ``_configure_launcher`` hook does for processes Lightning starts itself (DDP's launcher).
+
+    ``Strategy._configure_launcher``/``_launcher``: checked on lightning 2.6.6 (2.6.x); public replacement: none yet.
+    """
+    if not strategy.cluster_environment.creates_processes_externally:
+        env = strategy.cluster_environment
+        strategy._launcher = SubprocessScriptLauncher(env, strategy.num_processes, strategy.num_nodes)
+
+
+def set_world_ranks(strategy: Any) -> None:
+    """Tell the cluster environment and ``rank_zero_only`` the global rank and world size.
+
+    A copy of ``DDPStrategy.set_world_ranks`` (not inherited: HybridStrategy is a ``ParallelStrategy``): checked on
+    lightning 2.6.6 (2.6.x); public replacement: none yet (a ``ParallelStrategy`` default).
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    if strategy.cluster_environment is not None:
+        strategy.cluster_environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        strategy.cluster_environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = utils_rank_zero_only.rank = strategy.global_rank
+
+
+def finished_batches_of_epoch(trainer: Any) -> int:
+    """On a mid-epoch resume: the batches of the interrupted epoch whose step finished (0 when not resuming).
+
+    A checkpoint is taken in ``on_train_batch_end``, before Lightning counts the batch "completed", so the
+    "processed" count is the one to skip. ``fit_loop.restarting`` and
+    ``fit_loop.epoch_loop.batch_progress.current.processed`` (loop progress internals): checked on lightning 2.6.6
+    (2.6.x); public replacement: none yet.
+    """
+    if not (trainer.training and trainer.fit_loop.restarting):
+        return 0
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed

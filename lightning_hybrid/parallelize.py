@@ -1,0 +1,370 @@
+"""Model surgery, in the order it happens: plan tensor parallel, cut the pipeline, apply tensor parallel, cast,
+activation checkpointing, ZeRO-3 (FSDP2), the pipeline runner, the sums of shared gradients.
+
+:class:`~lightning_hybrid.HybridStrategy` calls :func:`parallelize` once per module, after the mesh exists; what it
+needs afterwards comes back as one :class:`Parallelized`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lightning_hybrid.agreement import computed_on_one_rank, raise_together
+from lightning_hybrid.config import HybridConfigError, ParallelLayout
+from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
+from lightning_hybrid.pipeline.profile import stage_costs
+from lightning_hybrid.pipeline.shared import SharedParameters, find_shared_parameters
+from lightning_hybrid.pipeline.stage import InputStub, SkippedBlock
+from lightning_hybrid.pipeline.verify import PipelineVerifier, make_verifier
+from lightning_hybrid.sharding import GradientSync, apply_fully_shard, check_user_sharding, sync_batch_norm
+from lightning_hybrid.structure import ModelStructure, block_list_needed_by, find_model_structure
+from lightning_hybrid.tensor_parallel import (
+    TensorParallelPlan,
+    apply_tensor_parallel,
+    build_tensor_parallel_plan,
+    validate_tensor_parallel_plan,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_hybrid.precision import HybridPrecision
+
+__all__ = ["ModelOptions", "Parallelized", "parallelize"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """What :func:`parallelize` needs besides the layout: the strategy's model arguments and Lightning's settings.
+
+    Example:
+        >>> ModelOptions(activation_checkpointing=True, device=torch.device("cpu")).transformer_blocks is None
+        True
+    """
+
+    device: torch.device
+    """This rank's device."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in the backward pass."""
+    transformer_blocks: Optional[str] = None
+    """Name of the repeated block list when it cannot be found automatically."""
+    layer_sync: Any = None
+    """``Trainer(sync_batchnorm=True)``'s plugin (SyncBatchNorm over the data-parallel group), or None."""
+
+
+@dataclass
+class Parallelized:
+    """What the strategy keeps of a parallelized module."""
+
+    structure: ModelStructure
+    """The module's network, block list, input and output modules."""
+    gradient_sync: GradientSync
+    """The tensor-parallel sum of replicated gradients (and the data average of what ZeRO-3 leaves out)."""
+    vocab_parallel_head: Optional[str] = None
+    """The output head whose logits stay sharded over the vocabulary (the loss then runs under ``loss_parallel``)."""
+    runner: Optional[PipelineRunner] = None
+    """Runs a step through the pipeline schedule (None without pipeline parallel)."""
+    shared: Optional[SharedParameters] = None
+    """Parameters several pipeline ranks hold, and which rank owns each (None without pipeline parallel)."""
+    tied_sync: Optional[Callable[[], None]] = None
+    """Sums the shared parameters' gradients over their holders (None when nothing is shared)."""
+    duplicates: list[nn.Parameter] = field(default_factory=list)
+    """Shared parameters this rank does not own: counted once in the global norm, on the owner."""
+    verifier: Optional[PipelineVerifier] = None
+    """The first-batch comparison with an unsplit forward (``verify_pipeline``); its ``sync`` is the strategy's."""
+
+
+def parallelize(
+    module: pl.LightningModule,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    options: ModelOptions,
+    precision: HybridPrecision,
+) -> Parallelized:
+    """Split and shard ``module`` in place for ``layout`` on ``mesh``; collective-free where a failure on one rank
+    must be raised on all (``raise_together``).
+
+    Order matters: the plan is made and checked on the whole model (so every rank validates the same thing), then
+    the pipeline cut removes what this rank does not hold, and tensor parallel, activation checkpointing and ZeRO-3
+    apply to what is left.
+
+    Example:
+        >>> # parallelized = parallelize(module, strategy.layout, strategy.device_mesh, options, precision_plugin)
+        >>> # parallelized.runner.run("training_step", batch, batch_idx)   # under pipeline parallel
+    """
+    data_group = mesh["data"].get_group()
+    # 1. tensor parallel: the plan, on the whole model
+    user_parallelized = any(isinstance(p, DTensor) for p in module.parameters())
+    tp_options = layout.tensor_parallel
+    auto_plan = layout.tensor_parallel_size > 1 and not user_parallelized and tp_options.plan == "auto"
+    needed_by = block_list_needed_by(
+        pipeline_parallel_size=layout.pipeline_parallel_size,
+        activation_checkpointing=options.activation_checkpointing,
+        tensor_parallel_auto_plan=auto_plan,
+        sequence_parallel=layout.sequence_parallel,
+    )
+    plan = None
+    with raise_together():  # planning is collective-free: a failure on any rank is raised on all of them
+        sync_batch_norm(module, options.layer_sync, data_group, options.device.type)
+        check_user_sharding(module, layout.zero_stage)  # configure_model's own fully_shard is ZeRO-3
+        # data parallel and ZeRO train any module: only these settings need a block list
+        structure = find_model_structure(module, options.transformer_blocks, needed_by)
+        if layout.tensor_parallel_size > 1 and not user_parallelized:
+            plan = build_tensor_parallel_plan(
+                module, structure, tp_options.plan, vocab_parallel_loss=tp_options.vocab_parallel_loss
+            )
+            validate_tensor_parallel_plan(module, plan, layout.tensor_parallel_size)
+    # 2. pipeline parallel: the cut (this rank keeps its stages; the others' blocks become stubs)
+    cut = _cut_pipeline(module, structure, layout, mesh, precision) if layout.pipeline_parallel_size > 1 else None
+    # 3. tensor parallel: applied to what this rank holds
+    replicated, vocab_head = _apply_tensor_parallel(module, structure, plan, layout, mesh, user_parallelized, cut)
+    held_blocks = [n for n in structure.block_names() if not isinstance(module.get_submodule(n), SkippedBlock)]
+    _cast(module, layout, precision)
+    # 4. activation checkpointing
+    if options.activation_checkpointing:
+        from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(module, held_blocks)
+    # 5. ZeRO-3: FSDP2 (ZeRO-1/2 wrap the optimizers instead: sharding/step.py)
+    dp_replicated = _fully_shard(module, structure, layout, mesh, precision, held_blocks, cut)
+    # 6. the pipeline runner, and the sums of parameters several stages hold
+    runner, shared, verifier = None, None, None
+    if cut is not None:
+        split, network, verifier = cut
+        runner = _build_runner(module, network, split, layout, mesh, precision, options.device)
+        # collective at set-up: every rank calls it
+        shared = find_shared_parameters(module, split, structure.tied_parameters, mesh)
+        if verifier is not None:  # within a replica: tensor-parallel and shared-parameter sums
+            verifier.duplicates = lambda: shared.duplicates
+            runner.verifier = verifier
+        if layout.zero_stage == 3:
+            dp_replicated += shared.loose  # in no stage's FSDP2 root: averaged over data like those left out
+    return Parallelized(
+        structure=structure,
+        gradient_sync=GradientSync(module, replicated, mesh["tensor"], dp_replicated, mesh["data"]),
+        vocab_parallel_head=vocab_head,
+        runner=runner,
+        shared=shared,
+        tied_sync=shared.sync if shared is not None and shared.groups else None,
+        duplicates=shared.duplicates if shared is not None else [],
+        verifier=verifier,
+    )
+
+
+def _apply_tensor_parallel(
+    module: nn.Module,
+    structure: ModelStructure,
+    plan: Optional[TensorParallelPlan],
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    user_parallelized: bool,
+    cut: Any,
+) -> tuple[list[tuple[str, str]], Optional[str]]:
+    """Shard the layers; returns the parameters left replicated over the tensor dimension with their reduction, and
+    the vocab-parallel head."""
+    if plan is not None:
+        if cut is not None:
+            plan.restrict_to(module)
+        pairs = apply_tensor_parallel(
+            module, structure, plan, mesh["tensor"], sequence_parallel=layout.sequence_parallel
+        )
+        named = {id(p): n for n, p in module.named_parameters()}
+        rank_zero_info("lightning-hybrid tensor-parallel plan:\n" + plan.describe())
+        return [(named[id(p)], op) for p, op in pairs], plan.vocab_parallel_head
+    if user_parallelized and layout.tensor_parallel_size > 1:
+        if layout.sequence_parallel:
+            raise HybridConfigError(
+                "`sequence_parallel=True` is applied with the automatic/dict plan, but `configure_model` already"
+                " parallelized the model. Add SequenceParallel styles to your own plan and leave"
+                " `sequence_parallel=False`."
+            )
+        return [(n, "avg") for n, p in module.named_parameters() if not isinstance(p, DTensor)], None
+    return [], None
+
+
+def _cast(module: nn.Module, layout: ParallelLayout, precision: HybridPrecision) -> None:
+    if layout.zero_stage < 3:
+        # '-true' precisions: low-precision parameters (the optimizer keeps fp32 masters); ZeRO-3 instead keeps
+        # fp32 shards as the masters and lets FSDP2 cast them for compute (its MixedPrecisionPolicy)
+        precision.convert_module(module)
+    if precision.master_dtype is not None:
+        # stand-ins for other stages' input modules must produce what those modules now compute in
+        for stub in module.modules():
+            if isinstance(stub, InputStub) and stub.dtype.is_floating_point:
+                stub.dtype = precision.compute_dtype
+
+
+def _fully_shard(
+    module: nn.Module,
+    structure: ModelStructure,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    precision: HybridPrecision,
+    held_blocks: list[str],
+    cut: Any,
+) -> list[str]:
+    """ZeRO-3; returns the parameters FSDP2 leaves out (replicated over data)."""
+    if layout.zero_stage != 3:
+        return []
+    # fully_shard is collective-free at set-up, and what it leaves out depends on the stage a rank holds
+    with raise_together():
+        # each pipeline stage module becomes the FSDP2 root of its own parameters (_build_runner)
+        roots = structure.fully_shard_roots(module) if cut is None else None
+        kwargs = _fsdp_kwargs(layout, precision)
+        dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"], **kwargs)
+        if dp_replicated and precision.master_dtype is not None:
+            raise HybridConfigError(
+                f"`precision={precision.precision!r}` with `zero_stage=3` cannot hold"
+                f" {dp_replicated}: FSDP2 leaves them out (fused tensor-parallel biases, or parameters the"
+                " LightningModule holds itself), so nothing casts them. Use zero_stage=1 or 2 with this"
+                " precision, a '-mixed' precision with zero_stage=3, or move such parameters into a submodule."
+            )
+    return dp_replicated
+
+
+def _fsdp_kwargs(layout: ParallelLayout, precision: HybridPrecision) -> dict[str, Any]:
+    """FSDP2 arguments for ZeRO-3: under '-true' precisions the fp32 shards are the master weights, cast to the
+    low precision for compute, with gradients reduced and accumulated in fp32. Under pipeline parallel the
+    parameters stay gathered from forward to backward (as torchtitan does): otherwise every micro-batch's
+    backward gathers them again, nearly doubling the data-parallel traffic."""
+    kwargs: dict[str, Any] = {}
+    if layout.pipeline_parallel_size > 1:
+        kwargs["reshard_after_forward"] = False
+    if precision.master_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=precision.compute_dtype, reduce_dtype=precision.master_dtype
+        )
+    return kwargs
+
+
+def _cut_pipeline(
+    module: pl.LightningModule,
+    structure: ModelStructure,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    precision: HybridPrecision,
+) -> tuple[Any, nn.Module, Optional[PipelineVerifier]]:
+    """Cut the network into stages; returns the split, the network the stages run, and the verifier (made before
+    the cut: its reference rank copies the whole network)."""
+    options = layout.pipeline
+    with raise_together():
+        _, network, blocks_rel = _pipeline_network(module, structure, options.network)
+    partition = options.partition
+    costs: Optional[list[float]] = None
+    first_cost = last_cost = 0.0
+    if partition in ("parameters", "profile"):
+        example = getattr(module, "example_input_array", None)
+        measure = functools.partial(stage_costs, network, blocks_rel, partition, example)
+        if partition == "profile":
+            # timings differ between ranks: one rank measures, all use its numbers (or raise its error), so all
+            # cut alike
+            costs, first_cost, last_cost = computed_on_one_rank(measure, src=0)
+        else:
+            with raise_together():
+                costs, first_cost, last_cost = measure()
+    with raise_together():  # the cut depends on the pipeline rank: a failure on one stage is raised on all
+        stage_plan = partition_blocks(
+            len(module.get_submodule(structure.blocks_name)),
+            layout.pipeline_parallel_size,
+            options.virtual_size,
+            partition,
+            block_costs=costs,
+            first_cost=first_cost,
+            last_cost=last_cost,
+            owner_style="v" if options.schedule == "zbv_zero_bubble" else "loop",
+        )
+        pipeline_rank = mesh["pipeline"].get_local_rank()
+        verifier = make_verifier(
+            options.verify,
+            module,
+            network,
+            mesh,
+            precision=precision.precision,
+            last_stage_rank=stage_plan.owner[-1],
+        )
+        split = split_network(network, blocks_rel, stage_plan, pipeline_rank)
+    unit = "seconds" if partition == "profile" else "params"
+    rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(unit))
+    return split, network, verifier
+
+
+def _build_runner(
+    module: pl.LightningModule,
+    network: nn.Module,
+    split: Any,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    precision: HybridPrecision,
+    device: torch.device,
+) -> PipelineRunner:
+    tp = layout.tensor_parallel_size
+
+    def activation_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+        # with sequence parallel, what crosses stages is this rank's slice of the sequence
+        return (shape[0], shape[1] // tp, *shape[2:]) if layout.sequence_parallel else shape
+
+    def wrap_stage(stage: StageModule) -> StageModule:
+        if layout.zero_stage != 3:
+            return stage
+        from torch.distributed.fsdp import fully_shard
+
+        kwargs = _fsdp_kwargs(layout, precision)
+        if layout.zero.gradient_sync == "per_step":
+            # the stage module is the FSDP2 root: torch's PipelineStage then accumulates unsharded gradients
+            # over micro-batches and reduce-scatters once per step
+            fully_shard(stage, mesh=mesh["data"], **kwargs)
+        else:
+            # every block (and each input/output module) is its own FSDP2 root, which reduce-scatters its
+            # gradients and frees the unsharded ones after each micro-batch's backward
+            for part in stage.parts:
+                if not isinstance(part, FSDPModule):
+                    fully_shard(part, mesh=mesh["data"], **kwargs)
+        return stage
+
+    return PipelineRunner(
+        module,
+        network,
+        split,
+        mesh["pipeline"],
+        device,
+        schedule=layout.pipeline.schedule,
+        num_microbatches=layout.pipeline.num_microbatches,
+        activation_shape=activation_shape,
+        wrap_stage=wrap_stage,
+    )
+
+
+def _pipeline_network(
+    module: pl.LightningModule, structure: ModelStructure, name: Optional[str]
+) -> tuple[str, nn.Module, str]:
+    """The module whose forward the pipeline stages run (``pipeline_network``, default: the block list's owner), and
+    the block list's name relative to it."""
+    network_name = name if name is not None else structure.network_name
+    try:
+        network = module.get_submodule(network_name) if network_name else module
+    except AttributeError:
+        candidates = [n for n, _ in module.named_modules() if n and structure.blocks_name.startswith(f"{n}.")]
+        raise HybridConfigError(
+            f"`pipeline_network={network_name!r}` names no submodule of {type(module).__name__}. Give the name of"
+            f" the module whose forward runs the block list {structure.blocks_name!r} (one of {candidates or ['']}),"
+            " or leave it None to take the block list's owner."
+        ) from None
+    prefix = f"{network_name}." if network_name else ""
+    if not structure.blocks_name.startswith(prefix):
+        raise HybridConfigError(
+            f"`pipeline_network={network_name!r}` does not contain the block list {structure.blocks_name!r}: give a"
+            " module that holds it, or leave `pipeline_network` None."
+        )
+    return network_name, network, structure.blocks_name[len(prefix) :]
