@@ -50,11 +50,14 @@ CAUSES: dict[str, str] = {
     "tp2": "Both use torch's DTensor styles on the same layers (HybridStrategy splits the fused q|k|v with"
     " `_StridedShard`, the reference permutes the weight once: the same local matmuls)." + _PER_STEP,
     "host_overhead": "With negligible compute the step is the Python of Lightning's loop and of the pipeline runner."
-    " The runner's own per-step work was cut (one tensor broadcast of the results instead of pickled objects, stage"
-    " swaps and hooks built once, the last stage capturing one micro-batch instead of all, a cheaper gradient"
-    " stash); what remains is mostly Lightning's: `self.log` with `sync_dist` (an all-reduce per logged value),"
-    " the loop's hooks and progress tracking, and the `optimizer_step` closure, which the plain loop does not have."
-    + _PER_STEP,
+    " The runner's step is data (`lightning_hybrid/pipeline/step.py`): per micro-batch it adds, on the first stage,"
+    " running `training_step` up to the network call to capture the network's inputs; on the last stage, the rest"
+    " of `training_step` around the stage's forward, with `self.log` kept by a stand-in (no Lightning call); on"
+    " every stage, the input stubs and pass-through blocks of the cut and one timing record per action. Per step:"
+    " one tensor broadcast of the loss and logged values, one Lightning `self.log` per logged name (with"
+    " `sync_dist`, an all-reduce), the gradient stash. Outside the runner: the hang watchdog's observer of every"
+    " point-to-point wait (`lightning_hybrid/monitoring/comm.py`, a signature bind per send/recv), Lightning's loop"
+    " hooks and progress tracking, and the `optimizer_step` closure, which the plain loop does not have." + _PER_STEP,
     "3d_2x2x2": "The plain script has no Lightning loop, no `self.log` with `sync_dist` and none of the per-step"
     " checks." + _PER_STEP,
 }

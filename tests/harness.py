@@ -136,6 +136,8 @@ class Recorder(L.Callback):
     def __init__(self, data_group: Any = None, data_size: int = 1) -> None:
         self.data_group, self.data_size = data_group, data_size
         self.losses: list[float] = []
+        self.logged: list[float] = []
+        """Per batch, the ``train_loss`` the module logged (``trainer.callback_metrics``), where it logs one."""
         self.norms: list[float] = []
         self.batch_fingerprints: list[int] = []
         self.grads: dict[str, torch.Tensor] = {}
@@ -162,6 +164,8 @@ class Recorder(L.Callback):
             torch.distributed.all_reduce(loss, group=self.data_group)
             loss /= self.data_size
         self.losses.append(loss.item())
+        if "train_loss" in trainer.callback_metrics:
+            self.logged.append(float(trainer.callback_metrics["train_loss"]))
         if getattr(trainer.strategy, "last_gradient_norm", None) is not None:
             self.norms.append(trainer.strategy.last_gradient_norm)
         if hasattr(trainer.strategy, "model_state_bytes"):
@@ -198,6 +202,7 @@ def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
     trainer.fit(module, train_dataloaders=loader)
     return {
         "losses": recorder.losses,
+        "logged": recorder.logged,
         "grads": recorder.grads,
         "params": full_parameters(module),
         "norms": recorder.norms,

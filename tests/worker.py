@@ -136,6 +136,7 @@ def run(scenario: dict, out_dir: Path) -> None:
     recorder.grads = {k: v for _, grads in views for k, v in grads.items()}
     result = {
         "losses": recorder.losses,
+        "logged": recorder.logged,
         "start_params": start_params,
         "norms": recorder.norms,
         "batch_fingerprints": recorder.batch_fingerprints,
