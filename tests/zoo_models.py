@@ -21,6 +21,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # 'colwise' on a per-head interleaved fused query_key_value, 'embedding_rowwise'
     # (no attention bias: the key bias's true gradient is zero, and Adam turns its rounding noise into full steps)
     "gpt_neox": {"intermediate_size": 64, "attention_bias": False},
+    # HF Conv1D projections (transposed weights), a fused c_attn, learned positions, the head tied to the embedding
+    "gpt2": {"n_inner": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True},
+    # rotary cos/sin computed once outside the blocks and passed to each as a keyword argument
+    "llama": {"intermediate_size": 64, "num_key_value_heads": 2},
 }
 COMMON = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
           "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2,
@@ -56,9 +60,68 @@ class HFCausalLM(_NextTokenLM):
         config = AutoConfig.for_model(family, **kwargs)
         self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         self.example_input_array = torch.zeros(2, 16, dtype=torch.long)
+        if family == "gpt2":
+            # GPT-2's fused c_attn bias holds the key bias, whose true gradient is zero (Adam turns its rounding noise
+            # into full steps): frozen, so the comparison measures the training, not the noise
+            for block in self.model.transformer.h:
+                block.attn.c_attn.bias.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits
+
+
+class HFMaskedLM(_NextTokenLM):
+    """An encoder-only model (``bert``, ``roberta``) with its masked-LM head, trained on the next-token targets: the
+    forward builds the extended attention mask, token types and positions outside the encoder's block list."""
+
+    def __init__(self, family: str = "bert", learning_rate: float = 1e-4, **config: Any) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForMaskedLM
+
+        self.learning_rate = learning_rate
+        kwargs = {**COMMON, "intermediate_size": 64, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                  "pad_token_id": 0, **config}  # fmt: skip
+        config = AutoConfig.for_model(family, **kwargs)
+        self.model = AutoModelForMaskedLM.from_config(config, attn_implementation="eager")
+        # frozen, as one device would leave them: the key biases' true gradient is zero (Adam turns its rounding noise
+        # into full steps), and the head's separate `bias` is unused when the decoder is not tied to the embedding
+        for name, p in self.model.named_parameters():
+            if name.endswith("attention.self.key.bias") or name == "cls.predictions.bias":
+                p.requires_grad_(False)
+        self.example_input_array = torch.zeros(2, 16, dtype=torch.long)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
+
+
+class HFViT(L.LightningModule):
+    """``ViTForImageClassification`` on the 3x8x8 test images (2x2 patches of 4x4): its forward reads
+    ``self.embeddings.patch_embeddings.projection.weight.dtype`` before the embeddings run."""
+
+    def __init__(self, learning_rate: float = 1e-4, **config: Any) -> None:
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification
+
+        from tests.any_module_models import IMAGE_SHAPE, NUM_CLASSES
+
+        self.learning_rate = learning_rate
+        kwargs = {"image_size": IMAGE_SHAPE[1], "patch_size": 4, "num_channels": IMAGE_SHAPE[0], "hidden_size": 32,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+                  "num_labels": NUM_CLASSES, "qkv_bias": False, **config}  # fmt: skip
+        self.model = ViTForImageClassification(ViTConfig(**kwargs, attn_implementation="eager"))
+        self.example_input_array = torch.zeros(2, *IMAGE_SHAPE)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixel_values).logits
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
 
 
 class TorchEncoderLM(_NextTokenLM):
@@ -83,9 +146,13 @@ class TorchEncoderLM(_NextTokenLM):
 
 
 def build_zoo_module(model: str, **kwargs: Any) -> Optional[L.LightningModule]:
-    """``"hf-<family>"`` or ``"torch-encoder"`` -> the module; ``None`` for other names."""
+    """``"hf-<family>"``, ``"hf-bert"``, ``"hf-vit"`` or ``"torch-encoder"`` -> the module; ``None`` for other names."""
     if model == "torch-encoder":
         return TorchEncoderLM(**kwargs)
+    if model == "hf-vit":
+        return HFViT(**kwargs)
+    if model in ("hf-bert", "hf-roberta"):
+        return HFMaskedLM(model[3:], **kwargs)
     if not model.startswith("hf-"):
         return None
     return HFCausalLM(model[3:], **kwargs)

@@ -174,8 +174,10 @@ class PipelineRunner:
         m = len(first.microbatches)
         verifier.refresh(self.network)
         microbatch = verifier.common_microbatch(first.microbatches[0])
-        captured = self._capture(first.mode, microbatch, first.extra)
-        step = StepContext(first.mode, [microbatch] * m, first.extra, [captured] * m, self._run_stage)
+        # captured once per micro-batch: the network's inputs may carry a graph of modules outside it (torch's
+        # nn.TransformerEncoder takes the embedding's output), which each micro-batch's backward goes through
+        captured = [self._capture(first.mode, microbatch, first.extra) for _ in range(m if self._capture_all else 1)]
+        step = StepContext(first.mode, [microbatch] * m, first.extra, captured, self._run_stage)
         step.records, step.weights, step.checks = [[] for _ in range(m)], [1.0] + [0.0] * (m - 1), first.checks
         with verifier.deterministic(self.module, verifier.reference):
             self._execute(step, schedule, True)

@@ -14,6 +14,7 @@ forward tolerates missing modules (torchtitan writes its models that way).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from lightning_hybrid._hooks import first_tensor, map_first_input
+from lightning_hybrid._hooks import first_tensor, map_first_input, tensors_in
 from lightning_hybrid._torch_compat import module_children
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.partition import StagePlan
@@ -40,8 +41,30 @@ class StageBoundary(Exception):
         self.output = output
 
 
-class SkippedBlock(nn.Module):
-    """A block that another stage holds: returns its hidden-state input unchanged (no parameters, no compute)."""
+class _ReadsAttributesOf(nn.Module):
+    """A stand-in whose attributes it lacks are read from ``self.__dict__["_shadow"]`` (the module it replaces, or a
+    meta copy of it): a network's forward may read attributes of modules another stage holds (torch's
+    ``nn.TransformerEncoder`` reads ``self.layers[0].self_attn.batch_first``, ViT its patch projection's dtype)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shadow = self.__dict__.get("_shadow")
+            if shadow is None:
+                raise
+            return getattr(shadow, name)
+
+
+class SkippedBlock(_ReadsAttributesOf):
+    """A block that another stage holds: returns its hidden-state input unchanged (no parameters, no compute).
+
+    ``module``: the block it replaces, whose attributes stay readable; a block another rank holds is kept as a meta
+    copy (``held=False``), one this rank holds (another local stage's) as itself."""
+
+    def __init__(self, module: Optional[nn.Module] = None, *, held: bool = False) -> None:
+        super().__init__()
+        self.__dict__["_shadow"] = module if held or module is None else _meta_copy(module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         found = first_tensor(args, kwargs)
@@ -50,24 +73,111 @@ class SkippedBlock(nn.Module):
         return found[1]
 
 
-class InputStub(nn.Module):
+class InputStub(_ReadsAttributesOf):
     """Stands in for an input module held by the first stage: returns zeros shaped like that module's output, so the
-    network's forward runs on until the stage's first block, where the received activation replaces them."""
+    network's forward runs on until the stage's first block, where the received activation replaces them.
 
-    def __init__(self, module: nn.Module) -> None:
+    The module's attributes stay readable (a forward may read ``self.embeddings.patch_embeddings.projection.weight
+    .dtype`` or ``.num_patches`` before calling it): they come from a copy of the module whose parameters and buffers
+    are on the meta device (no memory, no gradients, not a submodule). The output's shape and dtype come from running
+    that copy on meta inputs, so they are the module's own for any module; where that forward cannot run on meta
+    (it reads values), the shape is inferred from the kind of module (embedding, linear, or the input's shape)."""
+
+    def __init__(self, module: nn.Module, *, shadow: bool = True) -> None:
         super().__init__()
         self.dtype = next(module.parameters()).dtype
-        # keep only sizes, not the module: the point is to free its parameters on this stage
+        # keep only sizes and a meta copy, not the module: the point is to free its parameters on this stage
         if isinstance(module, nn.Embedding):
             self.kind, self.size = "append", module.embedding_dim
         elif isinstance(module, nn.Linear):
             self.kind, self.size = "replace_last", module.out_features
         else:
             self.kind, self.size = "same", 0
+        # in __dict__, not _modules: its (meta) parameters are no part of this stage
+        self.__dict__["_shadow"] = _meta_copy(module) if shadow else None
+        self.__dict__["_meta_outputs"] = {}
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        device = next((t.device for t in tensors_in((args, kwargs))), torch.device("cpu"))
+        meta = self._meta_output(args, kwargs)
+        if meta is not None:
+            # floating outputs in the stub's dtype: the strategy sets it when '-true' precisions convert the module
+            floating = self.dtype if self.dtype.is_floating_point else None
+
+            def zeros(t: torch.Tensor) -> torch.Tensor:
+                dtype = floating if floating is not None and t.is_floating_point() else t.dtype
+                return torch.zeros(t.shape, dtype=dtype, device=device)
+
+            return _map_tensors(zeros)(meta)
+        x = args[0] if args else first_tensor(args, kwargs)[1]  # type: ignore[index]
         shape = {"append": (*x.shape, self.size), "replace_last": (*x.shape[:-1], self.size)}.get(self.kind, x.shape)
         return torch.zeros(shape, dtype=self.dtype, device=x.device)
+
+    def _meta_output(self, args: tuple, kwargs: dict) -> Any:
+        """The module's output on meta inputs of the same shapes (cached per input signature), or None."""
+        shadow = self.__dict__["_shadow"]
+        if shadow is None:
+            return None
+        key = _signature((args, kwargs))
+        cache = self.__dict__["_meta_outputs"]
+        if key is None or key not in cache:
+            to_meta = _map_tensors(lambda t: torch.empty_like(t, device="meta"))
+            try:
+                with torch.no_grad():
+                    out = shadow(*to_meta(args), **to_meta(kwargs))
+            except Exception:  # a forward that reads values (``.item()``, data-dependent shapes) cannot run on meta
+                out = None
+            if key is None:
+                return out
+            cache[key] = out
+        return cache[key]
+
+
+def _meta_copy(module: nn.Module) -> Optional[nn.Module]:
+    """A deep copy of ``module`` with every parameter and buffer on the meta device, sharing no storage with it (tied
+    weights held elsewhere keep their real tensors); None where the module cannot be copied."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception:  # e.g. a module holding a handle that cannot be copied: attributes then are not readable
+        return None
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Any], Any]:
+    def apply(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return fn(obj)
+        if isinstance(obj, dict):
+            mapped = {k: apply(v) for k, v in obj.items()}
+            try:  # a dict subclass (transformers' ModelOutput) keeps its attribute access
+                return type(obj)(**mapped)
+            except Exception:
+                return mapped
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(apply(v) for v in obj)
+        return obj
+
+    return apply
+
+
+def _signature(obj: Any) -> Optional[tuple]:
+    """A hashable key of a call's arguments: tensors by shape and dtype, plain values as they are; None where an
+    argument is neither (the meta forward then runs at every call)."""
+    if isinstance(obj, torch.Tensor):
+        return ("t", tuple(obj.shape), obj.dtype)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return ("v", obj)
+    if isinstance(obj, dict):
+        items = [(k, _signature(v)) for k, v in obj.items()]
+        return None if any(v is None for _, v in items) else ("d", tuple(items))
+    if isinstance(obj, (list, tuple)):
+        items = [_signature(v) for v in obj]
+        return None if any(v is None for v in items) else ("l", tuple(items))
+    return None
 
 
 class _LiveInputStub(InputStub):
@@ -76,12 +186,17 @@ class _LiveInputStub(InputStub):
     while a module is unsharded)."""
 
     def __init__(self, module: nn.Module) -> None:
-        super().__init__(module)
+        # no meta copy: attributes are read from the held module itself
+        super().__init__(module, shadow=False)
+        self.__dict__["_shadow"] = module
         self.__dict__["held"] = module  # not a submodule: its parameters belong to the first stage
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.dtype = next(self.__dict__["held"].parameters()).dtype
-        return super().forward(x, *args, **kwargs)
+        return super().forward(*args, **kwargs)
+
+    def _meta_output(self, args: tuple, kwargs: dict) -> Any:
+        return None  # the held module is real (and may be sharded): its output shape is inferred by kind
 
 
 class OutputStub(nn.Module):
@@ -150,9 +265,8 @@ class NetworkSplit:
         """Module swaps for ``stage``: other chunks on this rank (interleaved) pass through; off the first stage, the
         input modules (held here when the first stage lives on this rank too: v-shaped schedules) become stubs.
         Built once per stage."""
-        skipped = SkippedBlock()  # stateless: one instance serves every position
         swaps: list[tuple[dict, str, nn.Module]] = [
-            (module_children(self.blocks), str(i), skipped)
+            (module_children(self.blocks), str(i), SkippedBlock(module_children(self.blocks)[str(i)], held=True))
             for s in self.local_stages()
             if s != stage
             for i in self.plan.blocks(s)
@@ -265,7 +379,7 @@ def split_network(network: nn.Module, blocks_rel: str, plan: StagePlan, pipeline
     held = {i for s in mine for i in plan.blocks(s)}
     for i in range(len(blocks)):
         if i not in held:
-            module_children(blocks)[str(i)] = SkippedBlock()
+            module_children(blocks)[str(i)] = SkippedBlock(module_children(blocks)[str(i)])
     if 0 not in mine:
         for slot in inputs:
             setattr(slot.parent, slot.attr, InputStub(slot.module))
