@@ -91,6 +91,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="",
         help="comma-separated name patterns: launch only these multi-process scenarios (e.g. 'nanogpt-tp2,pp2-*')",
     )
+    parser.addoption(
+        "--scenario-timings",
+        action="store_true",
+        help="print each shared launch's scenarios with their wall time and CPU time summed over the ranks",
+    )
+
+
+# the shared launches of this session, by world size, for the timing summary
+LAUNCHED: dict[int, LaunchResult] = {}
+
+
+def scenario_timings(out_dir: Path) -> list[tuple[str, float, float, int]]:
+    """(scenario, wall seconds (slowest rank), CPU seconds (all ranks, all threads), threads per rank after it) from
+    the worker's per-rank timing files, in launch order; "(start-up)" is the imports before the first scenario."""
+    rows: dict[str, list[float]] = {}
+    for path in sorted(out_dir.glob("timings.rank*.tsv")):
+        for line in path.read_text().splitlines()[1:]:
+            name, wall, cpu, threads, _rss = line.split("\t")
+            row = rows.setdefault(name, [0.0, 0.0, 0])
+            row[0], row[1], row[2] = max(row[0], float(wall)), row[1] + float(cpu), max(row[2], int(threads))
+    return [(name, wall, cpu, int(threads)) for name, (wall, cpu, threads) in rows.items()]
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if not config.getoption("--scenario-timings"):
+        return
+    for world, result in sorted(LAUNCHED.items()):  # this copy's: the fixture below is this copy's too
+        rows = scenario_timings(result.out_dir)
+        wall, cpu = sum(r[1] for r in rows), sum(r[2] for r in rows)
+        terminalreporter.section(f"shared launch of {world} processes: {wall:.0f} s wall, {cpu:.0f} CPU-s")
+        for name, wall, cpu, threads in sorted(rows, key=lambda r: -r[2]):
+            terminalreporter.write_line(f"{cpu:8.1f} CPU-s {wall:7.1f} s  {threads:4d} threads  {name}")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -146,6 +178,7 @@ def shared_groups(tmp_path_factory: pytest.TempPathFactory):
             scenarios = [s for s in registered[world] if launched(s["name"])]
             timeout = max(900, _SECONDS_PER_SCENARIO * len(scenarios))
             cache[world] = launch(world, scenarios, tmp_path_factory.mktemp(f"shared{world}"), timeout=timeout)
+            LAUNCHED[world] = cache[world]
         return cache[world]
 
     return get

@@ -8,9 +8,12 @@ A scenario may set "timeout_s" (those expecting an error get 300 s): past it, th
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
+import resource
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -282,34 +285,113 @@ def _sampler_record(trainer: L.Trainer) -> list[int]:
 _ERROR_SCENARIO_TIMEOUT_S = 300
 
 
+def _threads() -> int:
+    """This process's live threads (gloo starts some per process group), from /proc where there is one."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return -1
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:")), -1)
+
+
+class _Timings:
+    """One line per scenario in OUT_DIR/timings.rank<R>.tsv: wall and CPU seconds (all of this process's threads),
+    threads alive after it, peak RSS so far. Quiet (a file per rank); tests/conftest.py sums them under
+    ``pytest --scenario-timings``."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / f"timings.rank{os.environ.get('RANK', '0')}.tsv"
+        self.wall, self.cpu = time.perf_counter(), 0.0  # the first lap's CPU includes the imports
+        self._write("scenario\twall_s\tcpu_s\tthreads\tmax_rss_mb", mode="w")
+        self.lap("(start-up)")
+
+    def lap(self, name: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self._write(f"{name}\t{wall - self.wall:.2f}\t{cpu - self.cpu:.2f}\t{_threads()}\t{rss:.0f}")
+        self.wall, self.cpu = wall, cpu
+
+    def _write(self, line: str, mode: str = "a") -> None:
+        with self.path.open(mode) as f:
+            f.write(line + "\n")
+
+
+def _process_groups() -> list:
+    """Every live process group of this process (the default one and the subgroups made since)."""
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_map) if dist.is_initialized() else []
+
+
+def _free_scenario_groups(before: list) -> None:
+    """Destroy the process groups a scenario made (its mesh dimensions, pipeline holder groups, ...), and free them:
+    a gloo group's threads stop only when the group object is freed, and later scenarios share the 2 cores with
+    every thread the earlier ones left (about 9 per scenario and process). The default group, which the launch
+    gathers results over and which the next scenario's strategy reuses, stays; what remains at exit is destroyed by
+    the strategy's exit handler as in any run. Local, not collective: every rank does the same after every scenario,
+    so group creation stays in the same order everywhere."""
+    kept = {id(pg) for pg in before}
+    made = [pg for pg in _process_groups() if id(pg) not in kept and pg is not dist.GroupMember.WORLD]
+    if not made:
+        return
+    for pg in made:
+        dist.destroy_process_group(pg)
+    _clear_dtensor_caches()
+    gc.collect()  # the scenario's trainer, module and mesh hold the groups in reference cycles
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding decisions and redistribution plans by mesh, and a mesh compares equal to an earlier
+    one of the same shape and names whatever its groups: a later scenario's cache hit would hand back the destroyed
+    groups of an earlier one's mesh ("Could not resolve the process group registered under the name ...")."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    for clear in (
+        getattr(debug, "_clear_sharding_prop_cache", None),
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+    ):
+        if clear is not None:
+            clear()
+
+
 def main() -> None:
     spec, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     torch.set_num_threads(1)
+    timings = _Timings(out_dir)  # the start-up lap: interpreter, torch and Lightning imports
+    # the imports' objects (millions: torch, Lightning, transformers) live to the end: out of every collection, so
+    # the one after each scenario (_free_scenario_groups) walks only what scenarios made
+    gc.freeze()
     for scenario in spec:
         limit = scenario.get("timeout_s") or (_ERROR_SCENARIO_TIMEOUT_S if scenario.get("expect_error") else None)
         if limit:
             sys.stderr.flush()
             faulthandler.dump_traceback_later(limit, exit=True)
+        groups = _process_groups()
+        deepspeed = bool(scenario.get("deepspeed_source"))
         try:
-            if scenario.get("deepspeed_source"):  # a raw DeepSpeed engine writes a checkpoint for later scenarios
+            if deepspeed:  # a raw DeepSpeed engine writes a checkpoint for later scenarios
                 from tests.deepspeed_source import record
 
                 record(scenario, out_dir)
-                continue
-            run(scenario, out_dir)
-        except Exception as error:
-            if scenario.get("expect_error"):
-                # configuration errors must be raised alike on every rank, before any collective: record each rank's
-                rank = int(os.environ["RANK"])
-                (out_dir / f"{scenario['name']}.rank{rank}.expected").write_text(f"{type(error).__name__}: {error}")
-                continue
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                (out_dir / f"{scenario['name']}.error").write_text(traceback.format_exc())
             else:
-                sys.stderr.write(traceback.format_exc())
-            raise  # a failure may leave ranks out of step: stop the group rather than risk a hang
+                run(scenario, out_dir)
+        except Exception as error:
+            if not scenario.get("expect_error"):
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    (out_dir / f"{scenario['name']}.error").write_text(traceback.format_exc())
+                else:
+                    sys.stderr.write(traceback.format_exc())
+                raise  # a failure may leave ranks out of step: stop the group rather than risk a hang
+            # configuration errors must be raised alike on every rank, before any collective: record each rank's
+            rank = int(os.environ["RANK"])
+            (out_dir / f"{scenario['name']}.rank{rank}.expected").write_text(f"{type(error).__name__}: {error}")
         finally:
             faulthandler.cancel_dump_traceback_later()
+        if not deepspeed:  # DeepSpeed keeps the groups it made in module globals, for its later engines
+            # after the except clause: its traceback holds the scenario's frames, and through them its groups
+            _free_scenario_groups(groups)
+        timings.lap(scenario["name"])
 
 
 if __name__ == "__main__":
