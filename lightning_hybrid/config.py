@@ -94,6 +94,24 @@ def check_partition(partition: Any) -> None:
         )
 
 
+AUTO_MAX_PARAMETERS = 100_000_000
+"""``verify_pipeline="auto"`` is on when the whole model has at most this many parameters (one rank then holds a
+full fp32 copy, 0.4 GB, and its gradients, for the first step)."""
+
+
+def check_verify_pipeline(value: Any) -> None:
+    """Refuse anything but ``True``, ``False`` or ``"auto"`` (constructor time, collective-free).
+
+    Example:
+        >>> check_verify_pipeline("auto")
+    """
+    if not (value is True or value is False or value == "auto"):
+        raise HybridConfigError(
+            f"`verify_pipeline` must be True, False or 'auto', got {value!r}. 'auto' compares the first batch with an"
+            f" unsplit forward when the model has at most {AUTO_MAX_PARAMETERS:,} parameters and trains in fp32."
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class TensorParallelOptions:
     """How layers are split over the tensor-parallel ranks (``HybridStrategy``'s tensor-parallel arguments).
@@ -142,8 +160,6 @@ class PipelineOptions:
     run)."""
 
     def __post_init__(self) -> None:
-        from lightning_hybrid.pipeline.verify import check_verify_pipeline
-
         check_partition(self.partition)
         schedule, v = self.schedule, self.virtual_size
         if schedule not in PIPELINE_SCHEDULES:

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid import _lightning_compat as compat
+import lightning_hybrid._lightning_compat as compat
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter, strategy_io
 from lightning_hybrid.config import (
     CheckpointOptions,

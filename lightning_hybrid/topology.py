@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_hybrid import _lightning_compat as compat
+import lightning_hybrid._lightning_compat as compat
 from lightning_hybrid._torch_compat import group_options
 from lightning_hybrid.config import ParallelLayout
 from lightning_hybrid.watchdog import configure_flight_recorder

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from lightning_hybrid._hooks import tensors_in
 from lightning_hybrid._lightning_compat import module_device_mesh, module_trainer
 from lightning_hybrid.agreement import raise_together
-from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.config import AUTO_MAX_PARAMETERS, HybridConfigError, check_verify_pipeline
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -47,10 +47,6 @@ __all__ = [
     "make_verifier",
 ]
 
-AUTO_MAX_PARAMETERS = 100_000_000
-"""``verify_pipeline="auto"`` is on when the whole model has at most this many parameters (one rank then holds a
-full fp32 copy, 0.4 GB, and its gradients, for the first step)."""
-
 TOLERANCES = {"32-true": 1e-4, "64-true": 1e-4}
 """Relative tolerance of the loss and the gradient norm per precision; other (16/bf16) precisions: 5e-2. One
 micro-batch through the same operations in another process layout differs by rounding only (about 1e-6 in fp32); a
@@ -58,19 +54,6 @@ wrong cut moves the loss or the norm by far more (a stubbed head gives ln(vocab)
 LOW_PRECISION_TOLERANCE = 5e-2
 
 VerifySetting = Union[bool, str]
-
-
-def check_verify_pipeline(value: Any) -> None:
-    """Refuse anything but ``True``, ``False`` or ``"auto"`` (constructor time, collective-free).
-
-    Example:
-        >>> check_verify_pipeline("auto")
-    """
-    if not (value is True or value is False or value == "auto"):
-        raise HybridConfigError(
-            f"`verify_pipeline` must be True, False or 'auto', got {value!r}. 'auto' compares the first batch with an"
-            f" unsplit forward when the model has at most {AUTO_MAX_PARAMETERS:,} parameters and trains in fp32."
-        )
 
 
 # ---------------------------------------------------------------------------------------------- structural checks
