@@ -39,11 +39,12 @@ from lightning_hybrid.config import (
     ZeroOptions,
 )
 from lightning_hybrid.data import SkipOnResume
+from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
 from lightning_hybrid.parallelize import ModelOptions, Parallelized, parallelize
-from lightning_hybrid.pipeline import PipelineRunner, to_plain
+from lightning_hybrid.pipeline import PipelineRunner
 from lightning_hybrid.planning.auto import auto_request, check_auto_layout
 from lightning_hybrid.precision import PRECISIONS, HybridPrecision
 from lightning_hybrid.sharding import ShardedOptimizer

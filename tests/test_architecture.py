@@ -100,3 +100,38 @@ def test_private_torch_names_only_in_the_compat_module() -> None:
         if uses := _private_torch_uses(f):
             found[rel] = uses
     assert not found, "\n".join(f"{rel}:{use}" for rel, uses in found.items() for use in uses)
+
+
+# private attributes of Lightning objects the package has read (LightningModule, LightningOptimizer, Strategy)
+LIGHTNING_PRIVATE_ATTRIBUTES = {
+    "_trainer",
+    "_optimizer",
+    "_device_mesh",
+    "_layer_sync",
+    "_precision_plugin",
+    "_results",
+}
+
+
+def _private_lightning_uses(f: Path) -> list[str]:
+    uses = []
+    for node in ast.walk(ast.parse(f.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            root = (node.module or "").split(".")[0]
+            if root in ("lightning", "lightning_utilities", "pytorch_lightning"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private or any(part.startswith("_") for part in node.module.split(".")):
+                    uses.append(f"{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Attribute) and node.attr in LIGHTNING_PRIVATE_ATTRIBUTES:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                uses.append(f"{node.lineno}: {ast.unparse(node)}")
+    return uses
+
+
+def test_private_lightning_names_only_in_the_compat_module() -> None:
+    found = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        rel = f.relative_to(PACKAGE).as_posix()
+        if rel != "_lightning_compat.py" and (uses := _private_lightning_uses(f)):
+            found[rel] = uses
+    assert not found, "\n".join(f"{rel}:{use}" for rel, uses in found.items() for use in uses)

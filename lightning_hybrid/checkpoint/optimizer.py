@@ -45,9 +45,6 @@ def state_dict_name(name: str) -> str:
     return name
 
 
-_clean = state_dict_name  # the name the pipeline modules import (until they switch to state_dict_name)
-
-
 def _names(module: nn.Module) -> dict[int, str]:
     return {id(p): state_dict_name(n) for n, p in module.named_parameters()}
 

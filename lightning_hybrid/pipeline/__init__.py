@@ -3,7 +3,7 @@ LightningModule's steps through torch's ``pipelining`` schedules."""
 
 from lightning_hybrid.pipeline.microbatch import merge_microbatches, split_batch
 from lightning_hybrid.pipeline.partition import StagePlan, partition_blocks
-from lightning_hybrid.pipeline.runner import PipelineRunner, to_plain
+from lightning_hybrid.pipeline.runner import PipelineRunner
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageModule, split_network
 from lightning_hybrid.pipeline.step import StepContext, StepResults
 from lightning_hybrid.pipeline_schedules import SCHEDULES
@@ -20,5 +20,4 @@ __all__ = [
     "partition_blocks",
     "split_batch",
     "split_network",
-    "to_plain",
 ]

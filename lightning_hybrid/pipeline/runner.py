@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from lightning_hybrid._hooks import first_tensor, tensors_in
 from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
 from lightning_hybrid.pipeline.step import (
@@ -47,14 +48,7 @@ from lightning_hybrid.pipeline_schedules import MULTI_STAGE, SCHEDULES
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SCHEDULES", "PipelineRunner", "StepResults", "StepTimeline", "to_plain"]
-
-
-def to_plain(t: DTensor) -> Tensor:
-    """A DTensor as a plain tensor: a replicated one's local value is the full value; others are gathered."""
-    if all(p.is_replicate() for p in t.placements):
-        return t.to_local()
-    return t.full_tensor()
+__all__ = ["SCHEDULES", "PipelineRunner", "StepResults", "StepTimeline"]
 
 
 class PipelineRunner:

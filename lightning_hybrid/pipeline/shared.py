@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid.checkpoint.optimizer import _clean
+from lightning_hybrid.checkpoint.optimizer import state_dict_name
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.stage import NetworkSplit
 
@@ -176,5 +176,5 @@ def find_shared_parameters(
         if loose:
             shared.loose.append(names[0])  # the name ``named_parameters()`` gives it
         lower = [info for h, info in table[key][coordinate].items() if h < pp_rank]
-        shared.not_owned.update(_clean(n) for n in names if any(n in info[3] for info in lower))
+        shared.not_owned.update(state_dict_name(n) for n in names if any(n in info[3] for info in lower))
     return shared

@@ -248,10 +248,10 @@ class PipelineVerifier:
         was taken at set-up; a checkpoint resumed since, or a hook, may have changed them. Each stage's parameters
         and buffers are gathered whole over tensor parallel and ZeRO, then sent to the reference rank."""
         from lightning_hybrid.checkpoint import full_tensor
-        from lightning_hybrid.checkpoint.optimizer import _clean
+        from lightning_hybrid.checkpoint.optimizer import state_dict_name
 
         mine = {
-            _clean(name): full_tensor(t.detach()).cpu()
+            state_dict_name(name): full_tensor(t.detach()).cpu()
             for name, t in [*network.named_parameters(), *network.named_buffers()]
         }
         if not self.in_reference_pipeline:
