@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hybrid"
 COMPAT = {"_torch_compat.py"}
@@ -72,66 +73,46 @@ def test_no_import_cycle_inside_the_package() -> None:
     assert not cycles, "\n".join(sorted(cycles))
 
 
-def _private_torch_uses(f: Path) -> list[str]:
+def _private_uses(f: Path, roots: tuple[str, ...], attributes: set[str], attribute_roots: tuple[str, ...]) -> list[str]:
+    """Private names of the libraries ``roots`` that ``f`` imports, and the private ``attributes`` it reads (on
+    anything but ``self``), and any private attribute reached from a name in ``attribute_roots`` (``torch._C``)."""
     uses = []
     for node in ast.walk(ast.parse(f.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in roots:
             private = [a.name for a in node.names if a.name.startswith("_")]
             if private or any(part.startswith("_") for part in node.module.split(".")):
                 uses.append(f"{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
-        elif isinstance(node, ast.Attribute) and node.attr in TORCH_PRIVATE_ATTRIBUTES:
+        elif isinstance(node, ast.Attribute) and node.attr in attributes:
             if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 uses.append(f"{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             root = node.value
             while isinstance(root, ast.Attribute):
                 root = root.value
-            if isinstance(root, ast.Name) and root.id in ("torch", "dist"):
+            if isinstance(root, ast.Name) and root.id in attribute_roots:
                 uses.append(f"{node.lineno}: {ast.unparse(node)}")
     return uses
+
+
+def _uses_outside(compat: set[str], *args: Any) -> str:
+    found = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        rel = f.relative_to(PACKAGE).as_posix()
+        if rel not in compat and (uses := _private_uses(f, *args)):
+            found[rel] = uses
+    return "\n".join(f"{rel}:{use}" for rel, uses in found.items() for use in uses)
 
 
 def test_private_torch_names_only_in_the_compat_module() -> None:
-    found = {}
-    for f in sorted(PACKAGE.rglob("*.py")):
-        rel = f.relative_to(PACKAGE).as_posix()
-        if rel in COMPAT or rel in NOT_YET_MOVED:
-            continue
-        if uses := _private_torch_uses(f):
-            found[rel] = uses
-    assert not found, "\n".join(f"{rel}:{use}" for rel, uses in found.items() for use in uses)
+    found = _uses_outside(COMPAT | NOT_YET_MOVED, ("torch",), TORCH_PRIVATE_ATTRIBUTES, ("torch", "dist"))
+    assert not found, found
 
 
 # private attributes of Lightning objects the package has read (LightningModule, LightningOptimizer, Strategy)
-LIGHTNING_PRIVATE_ATTRIBUTES = {
-    "_trainer",
-    "_optimizer",
-    "_device_mesh",
-    "_layer_sync",
-    "_precision_plugin",
-    "_results",
-}
-
-
-def _private_lightning_uses(f: Path) -> list[str]:
-    uses = []
-    for node in ast.walk(ast.parse(f.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0:
-            root = (node.module or "").split(".")[0]
-            if root in ("lightning", "lightning_utilities", "pytorch_lightning"):
-                private = [a.name for a in node.names if a.name.startswith("_")]
-                if private or any(part.startswith("_") for part in node.module.split(".")):
-                    uses.append(f"{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
-        elif isinstance(node, ast.Attribute) and node.attr in LIGHTNING_PRIVATE_ATTRIBUTES:
-            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                uses.append(f"{node.lineno}: {ast.unparse(node)}")
-    return uses
+LIGHTNING_PRIVATE_ATTRIBUTES = {"_trainer", "_optimizer", "_device_mesh", "_layer_sync", "_precision_plugin"}
+LIGHTNING = ("lightning", "lightning_utilities", "pytorch_lightning")
 
 
 def test_private_lightning_names_only_in_the_compat_module() -> None:
-    found = {}
-    for f in sorted(PACKAGE.rglob("*.py")):
-        rel = f.relative_to(PACKAGE).as_posix()
-        if rel != "_lightning_compat.py" and (uses := _private_lightning_uses(f)):
-            found[rel] = uses
-    assert not found, "\n".join(f"{rel}:{use}" for rel, uses in found.items() for use in uses)
+    found = _uses_outside({"_lightning_compat.py"}, LIGHTNING, LIGHTNING_PRIVATE_ATTRIBUTES, LIGHTNING)
+    assert not found, found
