@@ -195,6 +195,7 @@ def test_a_later_stage_reads_the_attributes_of_what_other_stages_hold() -> None:
     """Before: ``'InputStub' object has no attribute 'projection'`` (HF ViT), ``'SkippedBlock' object has no
     attribute 'self_attn'`` (torch's nn.TransformerEncoder), and a stub shaped like its input, not its output."""
     from lightning_hybrid.pipeline import partition_blocks, split_network
+    from lightning_hybrid.pipeline.step import StepContext
 
     torch.manual_seed(0)
     net = _ReadsAttributes()
@@ -203,6 +204,7 @@ def test_a_later_stage_reads_the_attributes_of_what_other_stages_hold() -> None:
     split = split_network(net, "blocks", partition_blocks(2, 2), pipeline_rank=1)
     assert [n for n, _ in net.named_parameters()] == ["blocks.1.weight", "blocks.1.bias", "head.weight", "head.bias"]
     assert net.embeddings.projection.weight.device.type == "meta"  # readable, but holds no memory
-    with split.active(1, received):
+    step = StepContext("training_step", [x], (), [((x,), {})], run_stage=lambda *_: None, active=(1, received))
+    with split.attached(step), split.active(1):
         got = net(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
