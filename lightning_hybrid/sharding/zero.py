@@ -991,13 +991,17 @@ def apply_fully_shard(
         # ModelParallelStrategy): a second one would fail or shard twice; what its units leave out stays replicated
         return [n for n, p in module.named_parameters() if not _sharded_over(p, dp_mesh)]
 
-    # A fused projection split by tensor parallel (_StridedShard on dim 0) composes wrongly with FSDP2's own dim-0
-    # split (full_tensor() and checkpoints would see permuted rows): shard such weights on dim 1 instead, and leave
-    # 1-D ones (fused biases, tiny) replicated over the data dimension.
+    # A fused projection split by tensor parallel (_StridedShard on its fused dim) composes wrongly with FSDP2's own
+    # split of that same dim (full_tensor() and checkpoints would see permuted rows): shard such weights on their
+    # first other dim instead (dim 1 of a fused q|k|v weight, the expert dim of packed MoE experts), and leave 1-D ones
+    # (fused biases, tiny) replicated over the data dimension.
     ignored = {p for p in module.parameters() if _strided(p) and p.dim() < 2}
 
     def placement(p: nn.Parameter) -> Optional[Shard]:
-        return Shard(1) if _strided(p) else None
+        if not _strided(p):
+            return None
+        fused = {pl.dim % p.dim() for pl in p.placements if is_strided_shard(pl)}
+        return Shard(next(d for d in range(p.dim()) if d not in fused))
 
     covered: set[nn.Parameter] = set()
     for name in [*block_names, *(roots or [])]:
