@@ -116,7 +116,7 @@ def parallelize(
     plan = None
     with raise_together():  # planning is collective-free: a failure on any rank is raised on all of them
         sync_batch_norm(module, options.layer_sync, data_group, options.device.type)
-        check_user_sharding(module, layout.zero_stage)  # configure_model's own fully_shard is ZeRO-3
+        check_user_sharding(module, layout.zero_stage, layout.pipeline_parallel_size)  # its own fully_shard
         # data parallel and ZeRO train any module: only these settings need a block list
         structure = find_model_structure(module, options.transformer_blocks, needed_by)
         if layout.tensor_parallel_size > 1 and not user_parallelized:

@@ -70,6 +70,9 @@ ZOO.update({
     ("cnn", "pp2"): _NO_BLOCKS.format("SmallCNN"), ("cnn", "tp2"): _NO_BLOCKS_TP.format("SmallCNN"),
     ("cnn", "tp2-pp2-dp2"): _NO_BLOCKS.format("SmallCNN"),
     ("mlp", "pp2"): _NO_BLOCKS.format("SmallMLP"), ("mlp", "tp2-pp2-dp2"): _NO_BLOCKS.format("SmallMLP"),
+    # configure_model applied fully_shard to the whole model, as written for ModelParallelStrategy: a pipeline shards
+    # each stage itself
+    ("lightning_mp", "tp2-pp2-dp2"): r"`pipeline_parallel_size=2`, but the LightningModule's `configure_model`",
 })  # fmt: skip
 # a layout's strategy arguments beyond LAYOUTS' for one model: the MLP's tensor-parallel plan as a user gives it
 EXTRA: dict[tuple[str, str], dict[str, Any]] = {

@@ -1032,13 +1032,24 @@ def _sharded_over(p: nn.Parameter, dp_mesh: DeviceMesh) -> bool:
     return any(name in names for name in dp_mesh.mesh_dim_names or ())
 
 
-def check_user_sharding(module: nn.Module, zero_stage: int) -> None:
+def check_user_sharding(module: nn.Module, zero_stage: int, pipeline_parallel_size: int = 1) -> None:
     """Refuse a ``zero_stage`` below 3 for a module whose ``configure_model`` applied ``fully_shard`` (that is
     ZeRO-3 already; a ZeRO-1/2 optimizer over FSDP2's shards would shard them again). Collective-free.
 
     Example:
         >>> check_user_sharding(nn.Linear(2, 2), zero_stage=1)
     """
+    if pipeline_parallel_size > 1 and user_fully_sharded(module):
+        from lightning_hybrid.config import HybridConfigError
+
+        # each pipeline stage is its own FSDP2 unit; the user's units span the whole model (a second fully_shard
+        # over their DTensors fails: "Cannot concatenate overlapping meshes")
+        raise HybridConfigError(
+            f"`pipeline_parallel_size={pipeline_parallel_size}`, but the LightningModule's `configure_model` already"
+            " applied FSDP2's `fully_shard` to the whole model; under pipeline parallel each stage is sharded on its"
+            " own. Remove `fully_shard` from `configure_model` and pass `zero_stage=3` (HybridStrategy shards each"
+            " stage), or use `pipeline_parallel_size=1`."
+        )
     if zero_stage < 3 and user_fully_sharded(module):
         from lightning_hybrid.config import HybridConfigError
 
