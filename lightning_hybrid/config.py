@@ -425,8 +425,8 @@ class StrategyOptions:
     health_checks: Any = True
     """Add :class:`~lightning_hybrid.HealthChecks` to the callbacks (True, False, or an instance)."""
     monitor: Any = True
-    """Add :class:`~lightning_hybrid.HybridMonitor` (True, False, or an instance; checked by the strategy, whose
-    monitoring module knows the class)."""
+    """Add :class:`~lightning_hybrid.HybridMonitor` (True, False, or an instance; checked by
+    ``monitoring.health.check_monitor``, next to the class this module cannot import)."""
     auto_layout: bool = False
     """``layout="auto"``: the planner chooses the sizes for the world size and device memory."""
     device_memory: Optional[float] = None

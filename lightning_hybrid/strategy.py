@@ -54,9 +54,9 @@ _OPTION_ARGUMENTS = frozenset(inspect.signature(StrategyOptions.from_arguments).
 class HybridStrategy(ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
-    The arguments are flat (as LightningCLI/YAML give them); the constructor checks them into the typed sections of
-    :class:`~lightning_hybrid.config.ParallelLayout` (``TensorParallelOptions``, ``PipelineOptions``, ``ZeroOptions``,
-    ``CheckpointOptions`` in ``lightning_hybrid.config``, which document each in full), raising
+    The arguments are flat (as LightningCLI/YAML give them); the constructor checks them into typed sections
+    (:meth:`~lightning_hybrid.config.StrategyOptions.from_arguments`: ``TensorParallelOptions``, ``PipelineOptions``,
+    ``ZeroOptions``, ``CheckpointOptions`` in ``lightning_hybrid.config``, which document each in full), raising
     :class:`~lightning_hybrid.HybridConfigError` alike on every rank.
 
     Arguments:
