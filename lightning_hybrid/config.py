@@ -20,7 +20,9 @@ __all__ = [
     "ParallelLayout",
     "PipelineOptions",
     "TensorParallelOptions",
+    "StrategyOptions",
     "ZeroOptions",
+    "check_auto_layout",
     "check_partition",
     "check_sizes",
 ]
@@ -374,3 +376,127 @@ class ParallelLayout:
         sizes = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "zero_stage")
         return {**{k: getattr(self, k) for k in sizes}, "sequence_parallel": self.sequence_parallel,
                 **self.recorded_options()}  # fmt: skip
+
+
+_DEFAULT_SIZES = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": "auto", "zero_stage": 1}
+
+
+def check_auto_layout(layout: Optional[str], sizes: dict[str, Any], num_microbatches: Optional[int]) -> None:
+    """``layout`` is None or ``"auto"``; ``"auto"`` takes no explicit size (the planner chooses them all).
+
+    Example:
+        >>> check_auto_layout("auto", {"tensor_parallel_size": 1}, None)
+    """
+    if layout is None:
+        return
+    if layout != "auto":
+        raise HybridConfigError(f"`layout={layout!r}` must be 'auto' (let the planner choose) or None.")
+    given = {k: v for k, v in sizes.items() if k in _DEFAULT_SIZES and v != _DEFAULT_SIZES[k]}
+    if num_microbatches is not None:
+        given["num_microbatches"] = num_microbatches
+    if given:
+        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise HybridConfigError(
+            f"`layout='auto'` chooses the layout itself, but explicit sizes were given ({args}). Drop them, or drop"
+            " `layout='auto'` to use them. To fix one dimension and plan the rest, run `lightning-hybrid plan` with"
+            " e.g. `--tensor-parallel-size` and pass its answer."
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyOptions:
+    """What :class:`~lightning_hybrid.HybridStrategy` was asked for, checked: the layout request, the checkpoint
+    options and the strategy's own settings. :meth:`from_arguments` builds it from the constructor's flat arguments.
+
+    Example:
+        >>> StrategyOptions.from_arguments(tensor_parallel_size=2).request.tensor_parallel_size
+        2
+    """
+
+    request: LayoutRequest = field(default_factory=LayoutRequest)
+    """The layout as asked for (``layout="auto"`` replaces its sizes once the world size is known)."""
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in the backward pass instead of storing it."""
+    transformer_blocks: Optional[str] = None
+    """Name of the repeated block list when it cannot be found automatically."""
+    process_group_backend: Optional[str] = None
+    """The backend asked for; None: ``"nccl"`` on CUDA, ``"gloo"`` on CPU."""
+    health_checks: Any = True
+    """Add :class:`~lightning_hybrid.HealthChecks` to the callbacks (True, False, or an instance)."""
+    monitor: Any = True
+    """Add :class:`~lightning_hybrid.HybridMonitor` (True, False, or an instance; checked by
+    ``monitoring.health.check_monitor``, next to the class this module cannot import)."""
+    auto_layout: bool = False
+    """``layout="auto"``: the planner chooses the sizes for the world size and device memory."""
+    device_memory: Optional[float] = None
+    """GB per device for ``layout="auto"`` on CPU."""
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        tensor_parallel_size: Any = 1,
+        pipeline_parallel_size: Any = 1,
+        data_parallel_size: Any = "auto",
+        zero_stage: Any = 1,
+        tensor_parallel_plan: Any = "auto",
+        sequence_parallel: bool = False,
+        activation_checkpointing: bool = False,
+        vocab_parallel_loss: bool = True,
+        transformer_blocks: Optional[str] = None,
+        num_microbatches: Optional[int] = None,
+        pipeline_schedule: str = "1f1b",
+        virtual_pipeline_size: int = 1,
+        pipeline_partition: Any = "uniform",
+        pipeline_network: Optional[str] = None,
+        verify_pipeline: Any = "auto",
+        zero3_gradient_sync: str = "per_step",
+        overlap_grad_reduce: bool = True,
+        bucket_cap_mb: float = 25.0,
+        offload_optimizer: bool = False,
+        process_group_backend: Optional[str] = None,
+        async_checkpoint: bool = False,
+        checkpoint_verify: bool = True,
+        health_checks: Any = True,
+        monitor: Any = True,
+        layout: Optional[str] = None,
+        device_memory: Optional[float] = None,
+    ) -> StrategyOptions:
+        """Check ``HybridStrategy``'s flat arguments (documented there, same names and defaults) into their typed
+        sections. Everything that needs no world size is checked here: every rank runs the constructor, so all raise
+        the same :class:`HybridConfigError` alike, before any collective exists."""
+        request = LayoutRequest(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+            tensor_parallel=TensorParallelOptions(plan=tensor_parallel_plan, vocab_parallel_loss=vocab_parallel_loss),
+            pipeline=PipelineOptions(
+                num_microbatches=num_microbatches,
+                schedule=pipeline_schedule,
+                virtual_size=virtual_pipeline_size,
+                partition=pipeline_partition,
+                network=pipeline_network,
+                verify=verify_pipeline,
+            ),
+            zero=ZeroOptions(
+                gradient_sync=zero3_gradient_sync,
+                overlap_grad_reduce=overlap_grad_reduce,
+                bucket_cap_mb=bucket_cap_mb,
+                offload_optimizer=offload_optimizer,
+            ),
+        )
+        check_auto_layout(layout, vars(request), num_microbatches)
+        return cls(
+            request=request,
+            checkpoint=CheckpointOptions(asynchronous=async_checkpoint, verify=checkpoint_verify),
+            activation_checkpointing=activation_checkpointing,
+            transformer_blocks=transformer_blocks,
+            process_group_backend=process_group_backend,
+            health_checks=health_checks,
+            monitor=monitor,
+            auto_layout=layout == "auto",
+            device_memory=device_memory,
+        )

@@ -10,7 +10,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["SkipOnResume"]
+from lightning_hybrid._lightning_compat import finished_batches_of_epoch
+
+__all__ = ["SkipOnResume", "skip_finished_batches"]
+
+
+def skip_finished_batches(dataloader: Any, trainer: Any) -> Any:
+    """The loader to iterate: on a mid-epoch resume, one that first skips the batches of the interrupted epoch whose
+    step finished; ``dataloader`` itself otherwise (also when the interrupted epoch had finished: none to skip).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> skip_finished_batches([1, 2, 3], SimpleNamespace(training=False))
+        [1, 2, 3]
+    """
+    done = finished_batches_of_epoch(trainer)
+    size = len(dataloader) if hasattr(dataloader, "__len__") else None
+    if 0 < done and (size is None or done < size):
+        return SkipOnResume(dataloader, done)
+    return dataloader
 
 
 class SkipOnResume:

@@ -1,62 +1,45 @@
 """HybridStrategy: the Lightning glue that composes the mesh, tensor parallel, the pipeline and ZeRO.
 
-The logic lives in the per-concern modules (docs/architecture.md): model surgery in ``parallelize.py``, the gradient
-step in ``sharding/step.py``, checkpoint I/O in ``checkpoint/``; this class only decides *when* each runs in
-Lightning's loop.
+The logic lives in the per-concern modules (docs/architecture.md): the arguments' checks in ``config.py``, processes
+and mesh in ``topology.py``, model surgery in ``parallelize.py``, the gradient step in ``sharding/step.py``,
+checkpoint I/O in ``checkpoint/``; this class only decides *when* each runs in Lightning's loop.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
-from lightning.fabric.utilities.distributed import group as torch_group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_hybrid._lightning_compat as compat
+import lightning_hybrid.topology as topology
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter, strategy_io
-from lightning_hybrid.config import (
-    CheckpointOptions,
-    HybridConfigError,
-    LayoutRequest,
-    ParallelLayout,
-    PipelineOptions,
-    TensorParallelOptions,
-    ZeroOptions,
-)
-from lightning_hybrid.data import SkipOnResume
-from lightning_hybrid.dtensor import to_plain
+from lightning_hybrid.config import ParallelLayout, StrategyOptions
+from lightning_hybrid.data import skip_finished_batches
 from lightning_hybrid.monitoring.callback import HybridMonitor
-from lightning_hybrid.monitoring.health import add_monitoring_defaults
+from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
 from lightning_hybrid.parallelize import ModelOptions, Parallelized, parallelize
 from lightning_hybrid.pipeline import PipelineRunner
-from lightning_hybrid.planning.auto import auto_request, check_auto_layout
-from lightning_hybrid.precision import PRECISIONS, HybridPrecision
+from lightning_hybrid.planning.auto import resolve_layout
+from lightning_hybrid.precision import HybridPrecision, check_supported
 from lightning_hybrid.sharding import ShardedOptimizer
 from lightning_hybrid.sharding.step import GradientStep
-from lightning_hybrid.topology import (
-    build_device_mesh,
-    format_rank_table,
-    gather_rank_devices,
-    init_process_groups,
-    with_lightning_names,
-)
-from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, HangWatchdog, resolve_timeout
+from lightning_hybrid.steps import loss_context, run_step
+from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, resolve_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -64,21 +47,16 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridStrategy"]
 
-# the precision plugin's context for each step (autocast / default dtype), as Lightning's own strategies use them
-_STEP_CONTEXTS = {
-    "training_step": "train_step_context",
-    "validation_step": "val_step_context",
-    "test_step": "test_step_context",
-    "predict_step": "predict_step_context",
-}
+# the constructor's arguments that StrategyOptions.from_arguments checks (all but timeout and track_gradient_norm)
+_OPTION_ARGUMENTS = frozenset(inspect.signature(StrategyOptions.from_arguments).parameters)
 
 
 class HybridStrategy(ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
-    The arguments are flat (as LightningCLI/YAML give them); the constructor checks them into the typed sections of
-    :class:`~lightning_hybrid.config.ParallelLayout` (``TensorParallelOptions``, ``PipelineOptions``, ``ZeroOptions``,
-    ``CheckpointOptions`` in ``lightning_hybrid.config``, which document each in full), raising
+    The arguments are flat (as LightningCLI/YAML give them); the constructor checks them into typed sections
+    (:meth:`~lightning_hybrid.config.StrategyOptions.from_arguments`: ``TensorParallelOptions``, ``PipelineOptions``,
+    ``ZeroOptions``, ``CheckpointOptions`` in ``lightning_hybrid.config``, which document each in full), raising
     :class:`~lightning_hybrid.HybridConfigError` alike on every rank.
 
     Arguments:
@@ -160,50 +138,17 @@ class HybridStrategy(ParallelStrategy):
         device_memory: Optional[float] = None,
         **kwargs: Any,
     ) -> None:
+        # checked now (config.py): every rank runs the constructor, so all raise alike, before any collective exists
+        arguments = {name: value for name, value in locals().items() if name in _OPTION_ARGUMENTS}
         super().__init__(**kwargs)
-        # Validate what needs no world size now: every rank runs this constructor, so all raise alike, collective-free.
-        self._request = LayoutRequest(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size,
-            zero_stage=zero_stage,
-            sequence_parallel=sequence_parallel,
-            tensor_parallel=TensorParallelOptions(plan=tensor_parallel_plan, vocab_parallel_loss=vocab_parallel_loss),
-            pipeline=PipelineOptions(
-                num_microbatches=num_microbatches,
-                schedule=pipeline_schedule,
-                virtual_size=virtual_pipeline_size,
-                partition=pipeline_partition,
-                network=pipeline_network,
-                verify=verify_pipeline,
-            ),
-            zero=ZeroOptions(
-                gradient_sync=zero3_gradient_sync,
-                overlap_grad_reduce=overlap_grad_reduce,
-                bucket_cap_mb=bucket_cap_mb,
-                offload_optimizer=offload_optimizer,
-            ),
-        )
-        self._checkpoint_options = CheckpointOptions(asynchronous=async_checkpoint, verify=checkpoint_verify)
+        self._options = StrategyOptions.from_arguments(**arguments)
+        check_monitor(monitor)
+        self._checkpoint_options = self._options.checkpoint  # read by checkpoint/strategy_io.py
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
+        self._timeout = resolve_timeout(timeout)
         self.track_gradient_norm = track_gradient_norm
         """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor sets it every batch."""
-        self._activation_checkpointing = activation_checkpointing
-        self._transformer_blocks = transformer_blocks
-        self._process_group_backend = process_group_backend
-        self._timeout = resolve_timeout(timeout)
-        self._health_checks = health_checks
-        if not isinstance(monitor, (bool, HybridMonitor)):
-            raise HybridConfigError(
-                f"`monitor={monitor!r}`: pass True (add HybridMonitor() when the Trainer has a logger), False, or a"
-                " `lightning_hybrid.HybridMonitor(...)` instance."
-            )
-        self._monitor = monitor
-        check_auto_layout(layout, vars(self._request), num_microbatches)
-        self._auto_layout, self._device_memory = layout == "auto", device_memory
-        self._layout: Optional[ParallelLayout] = None
-        self._device_mesh: Optional[DeviceMesh] = None
-        self._watchdog: Optional[HangWatchdog] = None
+        self._topology: Optional[topology.Topology] = None
         self.parallelized: Optional[Parallelized] = None
         """What :func:`~lightning_hybrid.parallelize.parallelize` returned for the module (None before set-up)."""
         self._parallelized_module: Optional[nn.Module] = None
@@ -225,16 +170,20 @@ class HybridStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ layout and processes
     @property
     def layout(self) -> ParallelLayout:
-        if self._layout is None:
+        if self._topology is None:
             raise RuntimeError("Accessing the layout before the processes have initialized is not allowed.")
-        return self._layout
+        return self._topology.layout
 
     @property
     def device_mesh(self) -> DeviceMesh:
         """The ``("pipeline", "data", "tensor")`` mesh; also available as ``LightningModule.device_mesh``."""
-        if self._device_mesh is None:
+        if self._topology is None:
             raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
-        return self._device_mesh
+        return self._topology.mesh
+
+    @property
+    def _data_group(self) -> Any:  # the data-parallel group (checkpoint/strategy_io.py reads it too)
+        return self._topology.data_group if self._topology is not None else None
 
     @property
     @override
@@ -260,7 +209,7 @@ class HybridStrategy(ParallelStrategy):
 
     @property
     def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
+        return self._topology.backend if self._topology is not None else self._options.process_group_backend
 
     @override
     def _configure_launcher(self) -> None:
@@ -275,37 +224,16 @@ class HybridStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        module, options = self.lightning_module, self._options
+        assert module is not None
         # resolve the layout from the world size before the process group exists: a bad layout raises on every rank
-        if self._auto_layout:  # the planner's best feasible layout for this world size and device memory
-            self._plan_layout()
-        self._layout = self._request.resolve(self.world_size)
-        self._process_group_backend = self._process_group_backend or compat.default_process_group_backend(
-            self.root_device
+        machine = {"world_size": self.world_size, "devices_per_node": self.num_processes, "device": self.root_device}
+        layout = resolve_layout(options, module, **machine, precision=self.precision_plugin)
+        self._topology = topology.start_topology(
+            layout, self.cluster_environment, self.root_device, self.process_group_backend, self._timeout
         )
-        init_process_groups(self.cluster_environment, self._process_group_backend, self.root_device, self._timeout)
-        # also answers to the dimension names of Lightning's ModelParallelStrategy ("data_parallel", ...)
-        self._device_mesh = with_lightning_names(build_device_mesh(self._layout, self.root_device.type, self._timeout))
-        self._watchdog = HangWatchdog(self._device_mesh, self._timeout, self._process_group_backend)
-        self._watchdog.start()
-        self._data_group = self._device_mesh["data"].get_group()  # slicing a mesh builds a new one: once, not per step
-        assert self.lightning_module is not None
-        compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
-        table = format_rank_table(self._layout, gather_rank_devices(self.root_device))
-        rank_zero_info(table)
-        add_monitoring_defaults(self.lightning_module.trainer, self._health_checks, self._monitor)
-
-    def _plan_layout(self) -> None:
-        self._request, message = auto_request(
-            self._request,
-            self.lightning_module,
-            world_size=self.world_size,
-            devices_per_node=self.num_processes,
-            device=self.root_device,
-            device_memory=self._device_memory,
-            precision=str(getattr(self.precision_plugin, "precision", "32-true")),
-            activation_checkpointing=self._activation_checkpointing,
-        )
-        rank_zero_info(message)
+        compat.set_module_device_mesh(module, self._topology.mesh)
+        add_monitoring_defaults(module.trainer, options.health_checks, options.monitor)
 
     # ------------------------------------------------------------------ model set-up
     @override
@@ -314,15 +242,15 @@ class HybridStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        self._check_unsupported(trainer)
+        check_supported(self.precision_plugin)  # what would silently train wrong: refused on every rank alike
         self.precision_plugin.device = self.root_device.type  # autocast's device type
         # Lightning calls setup again for each entry point (fit, validate, test, predict) on the same module: the
         # model is split and sharded once
         if self._parallelized_module is not module:
             options = ModelOptions(
                 device=self.root_device,
-                activation_checkpointing=self._activation_checkpointing,
-                transformer_blocks=self._transformer_blocks,
+                activation_checkpointing=self._options.activation_checkpointing,
+                transformer_blocks=self._options.transformer_blocks,
                 layer_sync=compat.layer_sync(self),
             )
             self.parallelized = parallelize(module, self.layout, self.device_mesh, options, self.precision_plugin)
@@ -340,36 +268,19 @@ class HybridStrategy(ParallelStrategy):
             self._gradient_step.hold_schedulers_on_skipped_steps(trainer)
         self.setup_precision_plugin()
 
-    def _check_unsupported(self, trainer: pl.Trainer) -> None:
-        """Refuse, on every rank alike, what would silently train wrong in this release."""
-        if not isinstance(self.precision_plugin, HybridPrecision):
-            name = getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__)
-            raise HybridConfigError(
-                f"`Trainer(precision={name!r})` is not supported by HybridStrategy: use one of"
-                f" {list(PRECISIONS)}, or pass `plugins=[HybridPrecision(...)]`."
-            )
-
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         if self._gradient_step is not None:  # a second fit on the same strategy: the old buckets stop listening
             self._gradient_step.close()
-        # the pipeline's schedule runs every micro-batch's backward inside training_step and stashes gradients
-        # itself (pipeline/runner.py): it keeps the reduction after the last backward (ZeRO-2 included)
-        zero, parallelized = self.layout.zero, self.parallelized
-        overlap = zero.overlap_grad_reduce and self.layout.pipeline_parallel_size == 1
-        self._gradient_step = GradientStep(
+        self._gradient_step = GradientStep.for_layout(
             self.lightning_module,
             self.optimizers,
-            mesh=self.device_mesh,
-            zero_stage=self.layout.zero_stage,
-            precision=self.precision_plugin,
-            device=self.root_device,
-            gradient_sync=parallelized.gradient_sync,
-            tied_sync=parallelized.tied_sync,
-            duplicates=parallelized.duplicates,
-            bucket_cap_mb=zero.bucket_cap_mb if overlap else None,
-            offload=zero.offload_optimizer,
+            self.layout,
+            self.device_mesh,
+            self.parallelized,
+            self.precision_plugin,
+            self.root_device,
         )
         self.precision_plugin.use_gradient_step(self._gradient_step)
 
@@ -380,35 +291,14 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        trainer = self.lightning_module.trainer
-        # batches of the interrupted epoch whose step finished; none to skip when the epoch itself had finished
-        done = compat.finished_batches_of_epoch(trainer)
-        size = len(dataloader) if hasattr(dataloader, "__len__") else None
-        if 0 < done and (size is None or done < size):
-            return SkipOnResume(dataloader, done)
-        return dataloader
+        return skip_finished_batches(dataloader, self.lightning_module.trainer)  # a mid-epoch resume (data.py)
 
-    # ------------------------------------------------------------------ steps
-    def _loss_context(self) -> AbstractContextManager:
-        if self.parallelized is None or self.parallelized.vocab_parallel_head is None:
-            return nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
-
+    # ------------------------------------------------------------------ steps (steps.py)
     def _run_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None
-        context = getattr(self.precision_plugin, _STEP_CONTEXTS[name])
-        with context(), self._loss_context():
-            if self._pipeline is not None:
-                # the schedule runs backward inside the step: the fp16 loss scale is applied there
-                self._pipeline.loss_scale = self.precision_plugin.loss_scale or 1.0
-                results = self._pipeline.run(name, *args, *kwargs.values())
-                # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank
-                return results.log(self.lightning_module.log, self._data_group)
-            with _plain_logging(self.lightning_module, self._data_group):
-                output = getattr(self.lightning_module, name)(*args, **kwargs)
-        return apply_to_collection(output, DTensor, to_plain)
+        return run_step(
+            self.lightning_module, name, args, kwargs, self.precision_plugin, self.parallelized, self._data_group
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -438,7 +328,7 @@ class HybridStrategy(ParallelStrategy):
             self.post_backward(closure_loss)
             return closure_loss
         # the vocab-parallel cross-entropy's backward must run under the same loss_parallel context as its forward
-        with self._loss_context():
+        with loss_context(self.parallelized):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @contextmanager
@@ -551,20 +441,11 @@ class HybridStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not compat.distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        topology.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not compat.distributed_is_initialized():
-            return obj
-        objects = [obj]
-        torch.distributed.broadcast_object_list(objects, src, group=torch_group.WORLD)
-        return objects[0]
+        return topology.broadcast_object(obj, src)
 
     @override
     def reduce(
@@ -590,8 +471,8 @@ class HybridStrategy(ParallelStrategy):
             GradientStep.release_schedulers(self.lightning_module)
         # Bucket all-reduces are in flight only if a step raised; they are not waited for here, since the peers may
         # never join them (a wait would then block until the collective timeout instead of letting the job end).
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        if self._topology is not None:
+            self._topology.watchdog.stop()
         try:
             # the end of training waits for a background checkpoint save, then destroys the save's own group
             self._checkpoint_writer.close()
@@ -603,30 +484,10 @@ class HybridStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # a failed or timed-out collective: report which rank is stuck before the process exits
-        if self._watchdog is not None:
-            self._watchdog.on_exception(exception)
+        if self._topology is not None:
+            self._topology.watchdog.on_exception(exception)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="3D parallel: tensor x pipeline x data (ZeRO)")
-
-
-@contextmanager
-def _plain_logging(module: pl.LightningModule, data_group: Any) -> Generator[None, None, None]:
-    """While a step runs, ``self.log`` receives plain tensors (not DTensors) and ``sync_dist`` reduces over the
-    data-parallel group only: tensor/pipeline peers hold the same value, so including them would double-count."""
-    original = module.log
-
-    @functools.wraps(original)
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        value = apply_to_collection(value, DTensor, to_plain)
-        if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
-            kwargs["sync_dist_group"] = data_group
-        return original(name, value, *args, **kwargs)
-
-    module.log = log  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log

@@ -1,28 +1,36 @@
-"""The 3D device mesh (pipeline, data, tensor) and the start-up rank table."""
+"""The processes of a job and how they are arranged: the process groups, the 3D device mesh (pipeline, data,
+tensor), the hang watchdog over it, the start-up rank table, and the world-wide collectives the strategy offers
+Lightning (barrier, broadcast)."""
 
 from __future__ import annotations
 
 import atexit
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 
 import lightning_hybrid._lightning_compat as compat
 from lightning_hybrid._torch_compat import group_options
 from lightning_hybrid.config import ParallelLayout
-from lightning_hybrid.watchdog import configure_flight_recorder
+from lightning_hybrid.watchdog import HangWatchdog, configure_flight_recorder
 
 __all__ = [
     "LIGHTNING_DIM_NAMES",
     "MESH_DIM_NAMES",
     "HybridDeviceMesh",
+    "Topology",
+    "barrier",
+    "broadcast_object",
     "build_device_mesh",
     "init_process_groups",
     "format_rank_table",
     "gather_rank_devices",
+    "start_topology",
     "with_lightning_names",
 ]
 
@@ -174,3 +182,71 @@ def _destroy_groups_at_exit() -> None:
 
     compat.destroy_dist_connection()
     gc.collect()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What :func:`start_topology` set up for this process: the strategy keeps it until teardown."""
+
+    layout: ParallelLayout
+    mesh: DeviceMesh
+    """The ``("pipeline", "data", "tensor")`` mesh, also answering to Lightning's dimension names."""
+    data_group: Any
+    """The data-parallel process group of this rank (sliced once: slicing a mesh builds a new one)."""
+    watchdog: HangWatchdog
+    backend: str
+
+
+def start_topology(
+    layout: ParallelLayout, cluster_environment: Any, device: torch.device, backend: Optional[str], timeout: timedelta
+) -> Topology:
+    """Start the process groups (``backend`` None: Lightning's default for ``device``) with ``timeout`` on every
+    collective, build the mesh of ``layout`` with Lightning's dimension names too, start the hang watchdog, and log
+    the rank table on rank 0 (gathered from every rank: a collective).
+
+    Example:
+        >>> # topology = start_topology(layout, strategy.cluster_environment, device, None, timedelta(minutes=10))
+        >>> # topology.mesh["data_parallel"] == topology.mesh["data"]  # -> True
+    """
+    backend = backend or compat.default_process_group_backend(device)
+    init_process_groups(cluster_environment, backend, device, timeout)
+    # also answers to the dimension names of Lightning's ModelParallelStrategy ("data_parallel", ...)
+    mesh = with_lightning_names(build_device_mesh(layout, device.type, timeout))
+    watchdog = HangWatchdog(mesh, timeout, backend)
+    watchdog.start()
+    topology = Topology(
+        layout=layout, mesh=mesh, data_group=mesh["data"].get_group(), watchdog=watchdog, backend=backend
+    )
+    rank_zero_info(format_rank_table(layout, gather_rank_devices(device)))
+    return topology
+
+
+def barrier(device: torch.device) -> None:
+    """Wait for every rank (nothing to wait for without a process group); NCCL's barrier is told this rank's device.
+
+    Example:
+        >>> barrier(torch.device("cpu"))  # no process group: returns at once
+    """
+    if not compat.distributed_is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+T = TypeVar("T")
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank ``src``'s ``obj`` on every rank (any picklable object; ``obj`` itself without a process group).
+
+    Example:
+        >>> broadcast_object({"step": 3})
+        {'step': 3}
+    """
+    if not compat.distributed_is_initialized():
+        return obj
+    objects = [obj]
+    dist.broadcast_object_list(objects, src, group=dist.group.WORLD)
+    return objects[0]

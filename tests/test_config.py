@@ -7,6 +7,7 @@ Fast on purpose: no collectives, no launched processes, tiny modules.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -16,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_hybrid import HybridConfigError, HybridStrategy, ParallelLayout
-from lightning_hybrid.config import PipelineOptions, TensorParallelOptions, ZeroOptions
+from lightning_hybrid.config import PipelineOptions, StrategyOptions, TensorParallelOptions, ZeroOptions
 from lightning_hybrid.sharding import expected_model_state_bytes, measure_model_state_bytes
 from lightning_hybrid.structure import find_model_structure
 from lightning_hybrid.tensor_parallel import (
@@ -211,6 +212,17 @@ def test_strategy_constructor_accepts_a_good_configuration():
     assert strategy.model_state_bytes == {}
     with pytest.raises(RuntimeError, match="before"):
         strategy.layout  # noqa: B018 - the layout needs the world size, known only once processes exist
+
+
+def test_every_strategy_argument_is_checked_with_the_strategy_default():
+    """The constructor hands its arguments to ``StrategyOptions.from_arguments`` by name: every one arrives there (but
+    the strategy's own ``timeout`` and ``track_gradient_norm``), and the defaults of both signatures agree."""
+    strategy = inspect.signature(HybridStrategy.__init__).parameters
+    options = inspect.signature(StrategyOptions.from_arguments).parameters
+    assert set(strategy) - {"self", "kwargs", "timeout", "track_gradient_norm"} == set(options)
+    assert {name: strategy[name].default for name in options} == {name: p.default for name, p in options.items()}
+    request = HybridStrategy(pipeline_parallel_size=2, pipeline_schedule="gpipe", bucket_cap_mb=50)._options.request
+    assert (request.pipeline.schedule, request.zero.bucket_cap_mb) == ("gpipe", 50.0)
 
 
 def test_strategy_is_registered_by_name():

@@ -25,6 +25,7 @@ __all__ = [
     "HealthCheckError",
     "HealthChecks",
     "add_monitoring_defaults",
+    "check_monitor",
     "check_rank_device_map",
     "find_replica_mismatches",
 ]
@@ -289,6 +290,21 @@ def _check_agreement(everyone: list[dict[str, Any]]) -> None:
                 f"Ranks disagree on the {key}: rank 0 has {reference}, rank {rank} has {everyone[rank][key]}"
                 f" (ranks {differing} differ). Every rank must run the same installation and configuration."
             )
+
+
+def check_monitor(monitor: Any) -> None:
+    """Refuse a ``monitor`` argument :func:`add_monitoring_defaults` cannot use (strategy constructor, every rank).
+
+    Example:
+        >>> check_monitor(False)
+    """
+    from lightning_hybrid.monitoring.callback import HybridMonitor
+
+    if not isinstance(monitor, (bool, HybridMonitor)):
+        raise HybridConfigError(
+            f"`monitor={monitor!r}`: pass True (add HybridMonitor() when the Trainer has a logger), False, or a"
+            " `lightning_hybrid.HybridMonitor(...)` instance."
+        )
 
 
 def add_monitoring_defaults(trainer: Any, health_checks: Any = True, monitor: Any = True) -> None:

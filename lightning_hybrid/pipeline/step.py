@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_hybrid.steps import sync_over
+
 if TYPE_CHECKING:
     from lightning_hybrid.pipeline.verify import FirstStepChecks
 
@@ -76,9 +78,7 @@ class StepResults:
         group reduces over ``sync_group`` (pipeline and tensor peers hold the same value: only the data-parallel
         replicas differ). Returns ``output``."""
         for name, value, args, kwargs in self.logged:
-            if sync_group is not None and kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
-                kwargs = {**kwargs, "sync_dist_group": sync_group}
-            log(name, value, *args, **kwargs)
+            log(name, value, *args, **sync_over(kwargs, sync_group))
         return self.output
 
 

@@ -8,29 +8,15 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_hybrid.config import HybridConfigError, LayoutRequest
+from lightning_hybrid.config import (
+    HybridConfigError,
+    LayoutRequest,
+    ParallelLayout,
+    StrategyOptions,
+    check_auto_layout,
+)
 
-__all__ = ["auto_layout", "auto_request", "check_auto_layout"]
-
-_DEFAULT_SIZES = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": "auto", "zero_stage": 1}
-
-
-def check_auto_layout(layout: Optional[str], sizes: dict[str, Any], num_microbatches: Optional[int]) -> None:
-    """``layout`` is None or ``"auto"``; ``"auto"`` takes no explicit size (the planner chooses them all)."""
-    if layout is None:
-        return
-    if layout != "auto":
-        raise HybridConfigError(f"`layout={layout!r}` must be 'auto' (let the planner choose) or None.")
-    given = {k: v for k, v in sizes.items() if k in _DEFAULT_SIZES and v != _DEFAULT_SIZES[k]}
-    if num_microbatches is not None:
-        given["num_microbatches"] = num_microbatches
-    if given:
-        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
-        raise HybridConfigError(
-            f"`layout='auto'` chooses the layout itself, but explicit sizes were given ({args}). Drop them, or drop"
-            " `layout='auto'` to use them. To fix one dimension and plan the rest, run `lightning-hybrid plan` with"
-            " e.g. `--tensor-parallel-size` and pass its answer."
-        )
+__all__ = ["auto_layout", "auto_request", "check_auto_layout", "resolve_layout"]
 
 
 def auto_layout(
@@ -115,3 +101,41 @@ def auto_request(request: LayoutRequest, module: nn.Module, **machine: Any) -> t
     )
     # num_microbatches None: the pipeline size (LayoutRequest.resolve)
     return replace(request, **sizes, pipeline=replace(pipeline, num_microbatches=num_microbatches)), message
+
+
+def resolve_layout(
+    options: StrategyOptions,
+    module: nn.Module,
+    *,
+    world_size: int,
+    devices_per_node: int,
+    device: torch.device,
+    precision: Any,
+) -> ParallelLayout:
+    """The layout ``HybridStrategy`` trains with: its request resolved against the world size; with
+    ``layout="auto"``, first :func:`auto_request` for this machine (``precision``: the precision plugin), the
+    planner's choice and ledger logged on rank 0. Collective-free: a bad layout raises on every rank alike.
+
+    Example:
+        >>> from lightning_hybrid.config import StrategyOptions
+        >>> options = StrategyOptions.from_arguments(tensor_parallel_size=2)
+        >>> layout = resolve_layout(options, None, world_size=4, devices_per_node=4, device=None, precision=None)
+        >>> layout.data_parallel_size
+        2
+    """
+    request = options.request
+    if options.auto_layout:  # the planner's best feasible layout for this world size and device memory
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info  # the planner itself needs no Lightning
+
+        request, message = auto_request(
+            request,
+            module,
+            world_size=world_size,
+            devices_per_node=devices_per_node,
+            device=device,
+            device_memory=options.device_memory,
+            precision=str(getattr(precision, "precision", "32-true")),
+            activation_checkpointing=options.activation_checkpointing,
+        )
+        rank_zero_info(message)
+    return request.resolve(world_size)

@@ -34,7 +34,7 @@ from lightning_hybrid.precision.loss_scaler import DynamicLossScaler
 if TYPE_CHECKING:
     from lightning_hybrid.sharding.step import GradientStep
 
-__all__ = ["HybridPrecision", "PRECISIONS"]
+__all__ = ["HybridPrecision", "PRECISIONS", "check_supported"]
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
@@ -224,6 +224,21 @@ class HybridPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def check_supported(plugin: Any) -> None:
+    """Refuse, on every rank alike, a precision plugin HybridStrategy would silently train wrong with (anything
+    :meth:`HybridPrecision.from_lightning` left as it was).
+
+    Example:
+        >>> check_supported(HybridPrecision("bf16-mixed"))
+    """
+    if not isinstance(plugin, HybridPrecision):
+        name = getattr(plugin, "precision", type(plugin).__name__)
+        raise HybridConfigError(
+            f"`Trainer(precision={name!r})` is not supported by HybridStrategy: use one of"
+            f" {list(PRECISIONS)}, or pass `plugins=[HybridPrecision(...)]`."
+        )
 
 
 def _stop_training(model: Any, scaler: DynamicLossScaler) -> None:

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_hybrid.config import ParallelLayout
+    from lightning_hybrid.parallelize import Parallelized
+
 __all__ = ["GradientStep"]
 
 
@@ -93,6 +96,40 @@ class GradientStep:
         self.model_state_bytes: dict[str, int] = {}
         """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
         self._model_state_settled = False
+
+    @classmethod
+    def for_layout(
+        cls,
+        module: pl.LightningModule,
+        optimizers: list[Any],
+        layout: ParallelLayout,
+        mesh: DeviceMesh,
+        parallelized: Parallelized,
+        precision: Any,
+        device: torch.device,
+    ) -> GradientStep:
+        """The step of ``layout`` for the model :func:`~lightning_hybrid.parallelize.parallelize` returned.
+
+        Example:
+            >>> # step = GradientStep.for_layout(module, optimizers, layout, mesh, parallelized, plugin, device)
+        """
+        # the pipeline's schedule runs every micro-batch's backward inside training_step and stashes gradients
+        # itself (pipeline/runner.py): it keeps the reduction after the last backward (ZeRO-2 included)
+        zero = layout.zero
+        overlap = zero.overlap_grad_reduce and layout.pipeline_parallel_size == 1
+        return cls(
+            module,
+            optimizers,
+            mesh=mesh,
+            zero_stage=layout.zero_stage,
+            precision=precision,
+            device=device,
+            gradient_sync=parallelized.gradient_sync,
+            tied_sync=parallelized.tied_sync,
+            duplicates=parallelized.duplicates,
+            bucket_cap_mb=zero.bucket_cap_mb if overlap else None,
+            offload=zero.offload_optimizer,
+        )
 
     def close(self) -> None:
         """Stop the gradient buckets listening to backward (a later fit builds a new step)."""

@@ -1,0 +1,121 @@
+"""How the strategy's step hooks run the LightningModule's steps, and what a step gives Lightning.
+
+A step runs under the precision plugin's context for it and, with a vocabulary-parallel head, torch's
+``loss_parallel``; under pipeline parallel, through the pipeline runner, which gives back the step's output and the
+values it logged, merged over micro-batches (:class:`~lightning_hybrid.pipeline.step.StepResults`). Lightning then
+receives plain tensors (not DTensors), and ``self.log(..., sync_dist=True)`` reduces over the data-parallel replicas
+only: tensor and pipeline peers of a replica hold the same value, so reducing over them too would count it several
+times. Both ways of logging name that group with :func:`sync_over`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.distributed.tensor import DTensor
+
+from lightning_hybrid.dtensor import to_plain
+
+if TYPE_CHECKING:
+    from lightning_hybrid.parallelize import Parallelized
+
+__all__ = ["STEP_CONTEXTS", "loss_context", "plain", "plain_logging", "run_step", "sync_over"]
+
+STEP_CONTEXTS = {
+    "training_step": "train_step_context",
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}
+"""The precision plugin's context for each step (autocast / default dtype), as Lightning's own strategies use them."""
+
+
+def run_step(
+    module: Any,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    precision: Any,
+    parallelized: Optional[Parallelized],
+    data_group: Any,
+) -> Any:
+    """Run ``module``'s step ``name`` (``"training_step"``, ...) as the strategy's hook of that name does, and return
+    its output with plain tensors (``parallelized``: what the module was parallelized into; None before that).
+
+    Example:
+        >>> # output = run_step(module, "training_step", (batch, 0), {}, plugin, strategy.parallelized, data_group)
+    """
+    runner = parallelized.runner if parallelized is not None else None
+    with getattr(precision, STEP_CONTEXTS[name])(), loss_context(parallelized):
+        if runner is not None:
+            # the schedule runs backward inside the step: the fp16 loss scale is applied there
+            runner.loss_scale = precision.loss_scale or 1.0
+            results = runner.run(name, *args, *kwargs.values())
+            # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank
+            return results.log(module.log, data_group)
+        with plain_logging(module, data_group):
+            output = getattr(module, name)(*args, **kwargs)
+    return plain(output)
+
+
+def loss_context(parallelized: Optional[Parallelized]) -> AbstractContextManager:
+    """torch's ``loss_parallel`` where the model's head keeps its logits sharded over the vocabulary (the
+    cross-entropy's forward and backward both run under it); a no-op context otherwise.
+
+    Example:
+        >>> with loss_context(None):  # not parallelized: nothing to do
+        ...     pass
+    """
+    if parallelized is None or parallelized.vocab_parallel_head is None:
+        return nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def plain(value: Any) -> Any:
+    """``value`` (a tensor or a collection of them) with every DTensor made a plain tensor.
+
+    Example:
+        >>> plain({"loss": 1.0})
+        {'loss': 1.0}
+    """
+    return apply_to_collection(value, DTensor, to_plain)
+
+
+def sync_over(log_kwargs: dict[str, Any], group: Any) -> dict[str, Any]:
+    """``self.log``'s keyword arguments, where ``sync_dist=True`` names no group of its own, with
+    ``sync_dist_group=group`` (the data-parallel group; None leaves them as they are).
+
+    Example:
+        >>> sync_over({"sync_dist": True}, "data")
+        {'sync_dist': True, 'sync_dist_group': 'data'}
+    """
+    if group is not None and log_kwargs.get("sync_dist") and log_kwargs.get("sync_dist_group") is None:
+        return {**log_kwargs, "sync_dist_group": group}
+    return log_kwargs
+
+
+@contextmanager
+def plain_logging(module: Any, data_group: Any) -> Generator[None, None, None]:
+    """While a step runs, ``module.log`` receives plain values and ``sync_dist`` reduces over ``data_group`` only.
+
+    Example:
+        >>> # with plain_logging(lightning_module, mesh["data"].get_group()):
+        >>> #     output = lightning_module.training_step(batch, batch_idx)
+    """
+    original = module.log
+
+    @functools.wraps(original)
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        return original(name, plain(value), *args, **sync_over(kwargs, data_group))
+
+    module.log = log
+    try:
+        yield
+    finally:
+        del module.log
