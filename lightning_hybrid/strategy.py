@@ -406,8 +406,9 @@ class HybridStrategy(ParallelStrategy):
                 results = self._pipeline.run(name, *args, *kwargs.values())
                 # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank
                 return results.log(self.lightning_module.log, self._data_group)
-            with _plain_logging(self.lightning_module, self._data_group):
-                output = getattr(self.lightning_module, name)(*args, **kwargs)
+            module = self.lightning_module
+            with _plain_logging(module, self._data_group), self.parallelized.explained_failures(module):
+                output = getattr(module, name)(*args, **kwargs)
         return apply_to_collection(output, DTensor, to_plain)
 
     @override
