@@ -28,7 +28,9 @@ def _case(family: str, strategy: dict[str, Any], error: str = "") -> dict[str, A
 
 
 TOL = 1e-5
-_FAILED_IN = r"HybridConfigError: `tensor_parallel_size=2`: the forward failed in `model.transformer.h.0.self_attention`"
+_FAILED_IN = (
+    r"HybridConfigError: `tensor_parallel_size=2`: the forward failed in `model.transformer.h.0.self_attention`"
+)
 TP2 = {"tensor_parallel_size": 2}
 CASES = [
     _case("opt", TP2),
