@@ -8,7 +8,8 @@ needs afterwards comes back as one :class:`Parallelized`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -33,6 +34,7 @@ from lightning_hybrid.tensor_parallel import (
     build_tensor_parallel_plan,
     validate_tensor_parallel_plan,
 )
+from lightning_hybrid.tensor_parallel.failures import explain_forward_failure
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -82,6 +84,25 @@ class Parallelized:
     """Shared parameters this rank does not own: counted once in the global norm, on the owner."""
     verifier: Optional[PipelineVerifier] = None
     """The first-batch comparison with an unsplit forward (``verify_pipeline``); its ``sync`` is the strategy's."""
+    tensor_parallel_plan: Optional[TensorParallelPlan] = None
+    """The plan applied (automatic, declared or a dict; None without tensor parallel or when ``configure_model``
+    parallelized the module itself)."""
+    tensor_parallel_size: int = 1
+
+    @contextmanager
+    def explained_failures(self, module: nn.Module) -> Iterator[None]:
+        """A step's forward that fails inside a module the tensor-parallel plan splits raises a ``HybridConfigError``
+        naming the module and the plan without it (``tensor_parallel/failures.py``); other errors pass unchanged."""
+        try:
+            yield
+        except Exception as error:
+            plan = self.tensor_parallel_plan
+            explained = None
+            if plan is not None:
+                explained = explain_forward_failure(error, module, plan, self.tensor_parallel_size)
+            if explained is None:
+                raise
+            raise explained from error
 
 
 def parallelize(
@@ -158,6 +179,8 @@ def parallelize(
         tied_sync=shared.sync if shared is not None and shared.groups else None,
         duplicates=shared.duplicates if shared is not None else [],
         verifier=verifier,
+        tensor_parallel_plan=plan,
+        tensor_parallel_size=layout.tensor_parallel_size,
     )
 
 

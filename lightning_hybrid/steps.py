@@ -57,7 +57,8 @@ def run_step(
             results = runner.run(name, *args, *kwargs.values())
             # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank
             return results.log(module.log, data_group)
-        with plain_logging(module, data_group):
+        failures = parallelized.explained_failures(module) if parallelized is not None else nullcontext()
+        with plain_logging(module, data_group), failures:
             output = getattr(module, name)(*args, **kwargs)
     return plain(output)
 

@@ -25,6 +25,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": {"n_inner": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True},
     # rotary cos/sin computed once outside the blocks and passed to each as a keyword argument
     "llama": {"intermediate_size": 64, "num_key_value_heads": 2},
+    # families met from outside the zoo (tests/test_outside_models.py): OPT's layer norms sit beside fc1/fc2 in the
+    # decoder layer; Falcon's multi-query fused qkv; BLOOM's ALiBi slopes built outside the blocks; Qwen2-MoE's
+    # declared plan names dense-MLP layers that only some layers have
+    "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32, "dropout": 0.0, "attention_dropout": 0.0, "enable_bias": False},
+    "falcon": {"new_decoder_architecture": False, "multi_query": True, "bias": False, "hidden_dropout": 0.0,
+               "attention_dropout": 0.0},
+    "bloom": {"n_head": 4, "n_layer": 2, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "qwen2_moe": {"intermediate_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+                  "num_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 2,
+                  "qkv_bias": False},
 }
 COMMON = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
           "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2,

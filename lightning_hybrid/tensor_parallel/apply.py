@@ -193,7 +193,9 @@ def apply_tensor_parallel(
             inside = owner in plan.inside_split or owner in plan.gradient_sum_modules
         else:
             summed = plan.sharded_region_modules | plan.gradient_sum_modules
-            inside = any(owner == r or owner.startswith(r + ".") for r in summed)
+            inside = owner not in plan.full_width_modules and any(
+                owner == r or owner.startswith(r + ".") for r in summed
+            )
         replicated.append((param, "sum" if inside else "avg"))
     return replicated
 

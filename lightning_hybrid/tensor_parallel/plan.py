@@ -77,6 +77,9 @@ class TensorParallelPlan:
         self.sharded_region_modules: set[str] = set()
         # modules whose replicated parameters see one rank's share of a split: gradients summed, not averaged
         self.gradient_sum_modules: set[str] = set()
+        # modules inside a region's module that compute on the full hidden state, not on a split (OPT's layer norms
+        # sit next to fc1/fc2 in the decoder layer): their gradients are whole on every rank, averaged, not summed
+        self.full_width_modules: set[str] = set()
         # a plan found by data flow knows exactly which modules compute between its splits (``None``: by names, every
         # module under a split region's parent does)
         self.inside_split: Optional[set[str]] = None
@@ -95,6 +98,7 @@ class TensorParallelPlan:
         self.attention_modules = {n for n in self.attention_modules if held(n)}
         self.sharded_region_modules = {n for n in self.sharded_region_modules if held(n)}
         self.gradient_sum_modules = {n for n in self.gradient_sum_modules if held(n)}
+        self.full_width_modules = {n for n in self.full_width_modules if held(n)}
         if self.inside_split is not None:
             self.inside_split = {n for n in self.inside_split if held(n)}
         # vocab_parallel_head stays even when another stage holds the head: the loss runs there, under loss_parallel
@@ -212,10 +216,33 @@ def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStru
             )
         plan.sharded_region_modules.add(parent)
         module = root.get_submodule(parent)
+        plan.full_width_modules |= _full_width_modules(plan, module, parent)
         if any(isinstance(getattr(module, attr, None), int) for attr in HEAD_COUNT_ATTRIBUTES) or config_head_counts(
             module
         ):
             plan.attention_modules.add(parent)
+
+
+def _full_width_modules(plan: TensorParallelPlan, region: nn.Module, region_name: str) -> set[str]:
+    """Modules under a split region's module whose own parameters are all vectors of the width its column-wise
+    layers read (a layer norm before ``fc1``): a norm of that width cannot run on a rank's shard of the split, so it
+    runs on the replicated hidden state and each rank computes its whole gradient. Per-head norms (Qwen3's q/k
+    norms, of the head width) stay inside the split."""
+    prefix = f"{region_name}." if region_name else ""
+    widths = {
+        getattr(region.get_submodule(n[len(prefix) :]), "in_features", None)
+        for n, style in plan.styles.items()
+        if _parent(n) == region_name and region_role(style) == "col"
+    }
+    found = set()
+    for name, module in region.named_modules():
+        own = list(module.parameters(recurse=False))
+        full = prefix + name
+        if not name or not own or full in plan.styles or full in plan.gradient_sum_modules:
+            continue
+        if all(p.dim() == 1 and p.numel() in widths for p in own):
+            found.add(full)
+    return found
 
 
 def _pattern_plan(
@@ -223,7 +250,11 @@ def _pattern_plan(
     structure: ModelStructure,
     patterns: dict[str, Union[str, ParallelStyle]],
     vocab_parallel_loss: bool,
+    *,
+    declared: bool = False,
 ) -> TensorParallelPlan:
+    """``patterns`` resolved on ``root``; ``declared``: the model's own plan (``_tp_plan``), whose patterns for layers
+    this variant lacks are skipped; a user's pattern that matches nothing is refused (a typo)."""
     plan = TensorParallelPlan()
     modules = {n: m for n, m in root.named_modules() if n}
     parameters = dict(root.named_parameters())
@@ -234,6 +265,8 @@ def _pattern_plan(
         by_name = isinstance(style, str)  # a parameter takes a style name; a ParallelStyle object goes on a module
         matched_parameters = [n for n in parameters if by_name and fnmatch.fnmatchcase(n, pattern)]
         if not matched and not matched_parameters:
+            if declared:  # a model's own plan names layers of every variant (Qwen2-MoE's dense MLPs), as HF skips
+                continue
             raise HybridConfigError(
                 f"`tensor_parallel_plan` pattern {pattern!r} matches no module of {type(root).__name__}. Module"
                 f" names look like {list(modules)[:6]}; fix the pattern (fnmatch syntax, '*' for a layer index)."
@@ -311,7 +344,7 @@ def build_tensor_parallel_plan(
     if plan == "auto":
         hf_plan = _hugging_face_plan(root, structure)
         if hf_plan is not None:
-            return _pattern_plan(root, structure, hf_plan, vocab_parallel_loss)
+            return _pattern_plan(root, structure, hf_plan, vocab_parallel_loss, declared=True)
         return _auto_plan(root, structure, vocab_parallel_loss)
     if isinstance(plan, dict):
         return _pattern_plan(root, structure, plan, vocab_parallel_loss)

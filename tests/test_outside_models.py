@@ -1,0 +1,63 @@
+"""Families met from outside the zoo, each at the layout where it once went wrong, against one device (fp32, 1e-5):
+
+- OPT at tp=2: its layer norms are children of the decoder layer, beside ``fc1``/``fc2``; the plan counted them
+  inside the split and summed their (already whole) gradients over the tensor-parallel ranks: twice the gradient,
+  hidden from the loss by Adam's scale invariance (relative error 1.0 on the first-step gradients);
+- Falcon (multi-query fused ``query_key_value``) and BLOOM (ALiBi slopes for all heads, built outside the blocks) at
+  tp=2 crashed with a shape ``RuntimeError`` in the first forward; now a ``HybridConfigError`` on every rank names
+  the attention module and the plan without it;
+- Qwen2-MoE at tp=2 (sparse layers only): its declared plan also names the dense MLP's layers, which the sparse
+  layer lacks; that was refused as a pattern matching nothing, and now trains like one device.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from tests.conftest import relative_error, share
+from tests.harness import run_reference
+
+
+def _case(family: str, strategy: dict[str, Any], error: str = "") -> dict[str, Any]:
+    return {"name": f"outside-{family}-tp2", "model": f"hf-{family}", "model_kwargs": {}, "dataset": "tokens",
+            "strategy": strategy, "steps": 3, "batch_size": 4, "data_parallel_size": 1, "refusal": error,
+            **({"expect_error": True} if error else {})}  # fmt: skip
+
+
+TOL = 1e-5
+_FAILED_IN = (
+    r"HybridConfigError: `tensor_parallel_size=2`: the forward failed in `model.transformer.h.0.self_attention`"
+)
+TP2 = {"tensor_parallel_size": 2}
+CASES = [
+    _case("opt", TP2),
+    _case("qwen2_moe", TP2),
+    _case("falcon", TP2, _FAILED_IN + r" \(FalconAttention\)"),
+    _case("bloom", TP2, _FAILED_IN + r" \(BloomAttention\)"),
+]
+share(2, CASES)
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_a_family_met_from_outside_trains_like_one_device_or_is_refused(shared_groups, case: dict[str, Any]) -> None:
+    group = shared_groups(2)
+    if case["refusal"]:
+        messages = group.expected_errors(case["name"])
+        assert len(messages) == 2 and len(set(messages)) == 1, messages
+        assert re.match(case["refusal"], messages[0]), messages[0]
+        assert "pass `tensor_parallel_plan` as a dict without its layers" in messages[0]
+        return
+    result = group.get(case["name"])
+    reference = run_reference({k: v for k, v in case.items() if k not in ("strategy", "refusal")})
+    assert len(result["losses"]) == len(reference["losses"]) == case["steps"]
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
+        assert abs(got - want) / abs(want) <= TOL, f"step {step}: loss {got} vs one device {want}"
+    for kind in ("params", "grads"):  # final parameters, first-step gradients (gathered over the shards)
+        assert result[kind].keys() == reference[kind].keys(), kind
+        for name, want in reference[kind].items():
+            err = relative_error(result[kind][name], want)
+            assert err <= TOL, f"{kind} {name}: relative error {err:.2e}"
