@@ -21,8 +21,10 @@ from lightning_hybrid.tensor_parallel.discover import discover_block_plan
 from lightning_hybrid.tensor_parallel.styles import (
     FusedColwiseParallel,
     GradientSum,
+    is_projection,
     parameter_placement,
     region_role,
+    split_style,
     style_from_name,
 )
 
@@ -53,6 +55,10 @@ FUSED_NAMES = {"c_attn": 3, "qkv": 3, "qkv_proj": 3, "Wqkv": 3, "in_proj": 3, "g
 HEAD_COUNT_ATTRIBUTES = (
     "n_head", "num_heads", "num_attention_heads", "n_kv_head", "n_kv_heads", "num_key_value_heads", "n_query_groups",
 )  # fmt: skip
+# Attributes of an attention module holding the width of its sharded activations (GPT-2's ``split_size``, the width
+# of each of q|k|v its forward splits the fused ``c_attn`` output by; BERT-style ``all_head_size``, heads x head
+# size): divided along with the head counts. Not ``embed_dim``/``hidden_size``: those are the replicated width too.
+SHARDED_WIDTH_ATTRIBUTES = ("split_size", "all_head_size")
 
 
 def config_head_counts(module: nn.Module) -> dict[str, int]:
@@ -129,15 +135,15 @@ def _auto_plan(root: nn.Module, structure: ModelStructure, vocab_parallel_loss: 
     for index, block in enumerate(blocks):
         prefix = f"{structure.blocks_name}.{index}"
         for name, module in block.named_modules():
-            if not isinstance(module, nn.Linear):
+            if not is_projection(module):  # nn.Linear, or transformers' Conv1D (GPT-2's, weight transposed)
                 continue
             leaf, fqn = name.rsplit(".", 1)[-1], f"{prefix}.{name}"
             if leaf in FUSED_NAMES:
                 plan.styles[fqn] = FusedColwiseParallel(num_blocks=FUSED_NAMES[leaf])
             elif leaf in COLWISE_NAMES:
-                plan.styles[fqn] = ColwiseParallel()
+                plan.styles[fqn] = split_style("colwise", module)
             elif leaf in ROWWISE_NAMES:
-                plan.styles[fqn] = RowwiseParallel()
+                plan.styles[fqn] = split_style("rowwise", module)
     names_error: Optional[HybridConfigError] = None
     try:
         _finish_plan(plan, root, structure)
@@ -198,7 +204,7 @@ def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStru
             inside_blocks = name.startswith(structure.blocks_name + ".")
         else:  # a module without a block list (a dict plan): any layer but the embedding and the head
             inside_blocks = name not in (structure.token_embedding_name, structure.output_head_name)
-        if not inside_blocks or not isinstance(root.get_submodule(name), nn.Linear):
+        if not inside_blocks or not is_projection(root.get_submodule(name)):
             continue  # embeddings and the head are split on their own: they open no region
         kind = region_role(style)
         if kind:
