@@ -213,11 +213,12 @@ def apply_tensor_parallel(
 
 def _retie(root: nn.Module, structure: ModelStructure) -> None:
     """Parallelizing replaces each parameter by a new DTensor parameter, which unties shared weights; tie them again."""
+    # by the parameters this rank holds: a pipeline stub keeps the other side's attributes readable (not held)
+    held = dict(root.named_parameters(remove_duplicate=False))
     for first, second in structure.tied_parameters:
-        try:
-            keep, other = root.get_parameter(first), root.get_parameter(second)
-        except AttributeError:
+        if first not in held or second not in held:
             continue  # the two sides are on different pipeline stages; their gradients are summed across stages
+        keep, other = held[first], held[second]
         if keep is other:
             continue
         placements_a = keep.placements if isinstance(keep, DTensor) else None

@@ -86,16 +86,20 @@ class TensorParallelPlan:
         # a plan found by data flow knows exactly which modules compute between its splits (``None``: by names, every
         # module under a split region's parent does)
         self.inside_split: Optional[set[str]] = None
+        # a plan found by data flow: each column-wise split -> the row-wise split that reads its output (which may sit
+        # in a sibling module, BERT's ``attention.output.dense`` for ``attention.self.query``)
+        self.closed_by: dict[str, str] = {}
         self.vocab_parallel_head: Optional[str] = None
 
     def restrict_to(self, root: nn.Module) -> None:
         """Keep only modules this rank still holds (pipeline stages replace the others by parameter-less stubs)."""
 
+        # by the stage's own parameter names: a stub keeps the attributes of what it stands for readable (a meta copy,
+        # tied weights' real tensors), so reaching a module by name does not mean this rank holds it
+        owned = {n for n, _ in root.named_parameters(remove_duplicate=False)}
+
         def held(name: str) -> bool:
-            try:
-                return any(True for _ in root.get_submodule(name).parameters())
-            except AttributeError:
-                return False
+            return any(n.startswith(name + ".") for n in owned)
 
         self.styles = {n: s for n, s in self.styles.items() if held(n)}
         self.attention_modules = {n for n in self.attention_modules if held(n)}
@@ -112,6 +116,10 @@ class TensorParallelPlan:
 
 def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _sibling(a: str, b: str) -> bool:
+    return a != b and _parent(a) == _parent(b)
 
 
 def _vocab_styles(plan: TensorParallelPlan, structure: ModelStructure, vocab_parallel_loss: bool) -> None:
@@ -168,7 +176,7 @@ def _data_flow_plan(
             f" `tensor_parallel_plan={{'{structure.blocks_name}.*.attn.q': 'colwise', ...}}`."
         )
     first, *others = structure.block_names()
-    block_plan, inside_split = discover_block_plan(root, first, example)
+    block_plan, inside_split, regions = discover_block_plan(root, first, example)
     if not block_plan:
         raise HybridConfigError(
             f"`tensor_parallel_plan='auto'` found no pair of projections to split in {first!r} (by names or by data"
@@ -187,6 +195,7 @@ def _data_flow_plan(
             name = f"{block}.{leaf}"
             plan.styles[name] = style_from_name(style, name, root.get_submodule(name))
         plan.inside_split |= {f"{block}.{leaf}" for leaf in inside_split}
+        plan.closed_by |= {f"{block}.{o}": f"{block}.{closer}" for closer, openers in regions.items() for o in openers}
     _finish_plan(plan, root, structure)
     rank_zero_info(f"lightning-hybrid: tensor-parallel plan of {first!r} found from its data flow: {block_plan}")
     return plan
@@ -197,8 +206,10 @@ def _module_kinds(block: nn.Module) -> list[tuple[str, str]]:
 
 
 def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStructure) -> None:
-    """Find attention modules and the sharded regions; check that every split region is closed by a row-wise split."""
+    """Find attention modules and the sharded regions; check that every split region is closed by a row-wise split:
+    in the module that opens it, or, where the data flow showed it (``plan.closed_by``), in a sibling module."""
     regions: dict[str, set[str]] = {}
+    members: dict[str, list[str]] = {}
     for name, style in plan.styles.items():
         if structure.blocks_name is not None:
             inside_blocks = name.startswith(structure.blocks_name + ".")
@@ -209,8 +220,19 @@ def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStru
         kind = region_role(style)
         if kind:
             regions.setdefault(_parent(name), set()).add(kind)
+            members.setdefault(_parent(name), []).append(name)
+
+    def closed_in_sibling(opener: str) -> bool:
+        closer = plan.closed_by.get(opener)
+        return closer is not None and _parent(closer) != _parent(opener) and _sibling(_parent(closer), _parent(opener))
+
+    closes = set(plan.closed_by.values())
     for parent, kinds in regions.items():
-        if kinds != {"col", "row"}:
+        if kinds == {"row"} and all(n in closes for n in members[parent]):
+            continue  # closes splits opened in a sibling module; its own other modules compute on whole tensors
+        if kinds == {"col"} and all(closed_in_sibling(n) for n in members[parent]):
+            pass  # opened here, closed in a sibling module (the data flow checked that nothing else reads the shards)
+        elif kinds != {"col", "row"}:
             missing = "row-wise (output) projection" if "row" not in kinds else "column-wise (input) projection"
             raise HybridConfigError(
                 f"The tensor-parallel plan splits layers of {parent!r} but has no {missing} there, so its output"
