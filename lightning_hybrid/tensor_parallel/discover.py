@@ -31,7 +31,7 @@ from lightning_hybrid._hooks import tensors_in
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.tensor_parallel.styles import is_projection, projection_features
 
-__all__ = ["BlockPlan", "discover_block_plan"]
+__all__ = ["BlockPlan", "check_block_plan", "discover_block_plan", "fused_split_problems"]
 
 
 class BlockPlan(NamedTuple):
@@ -139,6 +139,106 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
         {'proj': 'rowwise', 'fc_1': 'colwise', 'fc_2': 'colwise'}
     """
     block = root.get_submodule(block_name)
+    trace = _trace(root, block_name, example_input)
+    projections, inputs, fed_by = trace.projections, trace.inputs, trace.fed_by
+    styles = _decide(block_name, projections, inputs, trace.first_use)
+    openers = {n for n, style in styles.items() if style != "rowwise"}
+    closers = [n for n, style in styles.items() if style == "rowwise"]
+    regions = {c: sorted(inputs[c] & openers, key=list(projections).index) for c in closers}
+    _check_regions(block_name, block, projections, styles, regions, fed_by, trace.reads, trace.block_output)
+    # modules computing on a shard: fed by a column-wise split, neither a row-wise one nor a module holding one
+    # (BERT's BertSelfOutput takes the sharded input, but its norm runs after the row-wise split, replicated)
+    inside = [
+        n for n, sources in fed_by.items()
+        if sources & openers and styles.get(n) != "rowwise" and not any(c.startswith(n + ".") for c in closers)
+    ]  # fmt: skip
+    return BlockPlan(styles, inside, regions)
+
+
+def check_block_plan(root: nn.Module, block_name: str, example_input: Any, styles: dict[str, str]) -> None:
+    """Check a plan found another way (by layer names) against the data flow of one forward, as a plan found from
+    the data flow is checked: each fused projection's parts (:func:`fused_split_problems`), and each region's sharded
+    activation read by nothing that needs it whole (a norm over the sharded features). ``styles``: the block's split
+    layers (names in the block) -> ``"colwise"``, ``"fused_colwise_<k>"`` or ``"rowwise"``; a region is the
+    column-wise splits of a module closed by its row-wise one.
+
+    Example:
+        >>> net = nn.Sequential(nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))]))
+        >>> net.forward = lambda x: net[0][0](x)
+        >>> check_block_plan(net, "0.0", torch.zeros(2, 4), {"0": "colwise", "2": "rowwise"})
+    """
+    block = root.get_submodule(block_name)
+    trace = _trace(root, block_name, example_input)
+    fused = {n: int(s.rsplit("_", 1)[1]) for n, s in styles.items() if s.startswith("fused_colwise_")}
+    problems = _fused_problems(block_name, trace.first_use, fused)
+    if problems:
+        raise HybridConfigError(
+            f"`tensor_parallel_plan='auto'` found fused projections by their names in {block_name!r}, but"
+            f" {'; '.join(problems)}: no tensor-parallel layout splits each part of such a weight exactly. Leave the"
+            " attention replicated: give `tensor_parallel_plan` as a dict naming only the MLP layers."
+        )
+    regions = {
+        closer: [o for o, s in styles.items() if s != "rowwise" and _parent(o) == _parent(closer)]
+        for closer, style in styles.items()
+        if style == "rowwise"
+    }
+    regions = {c: openers for c, openers in regions.items() if openers}
+    _check_regions(block_name, block, trace.projections, styles, regions, trace.fed_by, trace.reads, [])
+
+
+def fused_split_problems(root: nn.Module, block_name: str, example_input: Any, fused: dict[str, int]) -> list[str]:
+    """Check layers a plan splits as ``k`` equal fused blocks (``fused``: name in the block -> ``k``, from their names)
+    against the split the forward actually makes of their output; returns what does not match.
+
+    A name does not tell the parts: litgpt's ``qkv`` under grouped-query attention holds unequal q|k|v, GPTBigCode's
+    multi-query ``c_attn`` q|kv, and a per-head interleaved ``qkv`` is reshaped into heads, not split.
+
+    Example:
+        >>> class Attn(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.qkv, self.proj = nn.Linear(8, 16), nn.Linear(8, 8)
+        ...     def forward(self, x):
+        ...         q, k, v = self.qkv(x).split([8, 4, 4], dim=-1)
+        ...         return self.proj(q * k.repeat(1, 2) + v.repeat(1, 2))
+        >>> net = nn.Sequential(nn.ModuleList([Attn()]))
+        >>> net.forward = lambda x: net[0][0](x)
+        >>> fused_split_problems(net, "0.0", torch.zeros(2, 8), {"qkv": 3})
+        ["'0.0.qkv' is split into the parts [8, 4, 4] by the forward, not 3 equal ones"]
+    """
+    return _fused_problems(block_name, _trace(root, block_name, example_input).first_use, fused)
+
+
+def _fused_problems(block_name: str, uses: dict[str, tuple[str, Any]], fused: dict[str, int]) -> list[str]:
+    problems = []
+    for name, blocks in fused.items():
+        use, where = uses.get(name, ("other", None)), f"{block_name}.{name}"
+        if use[0] == "split" and len(use[1]) == blocks and len(set(use[1])) == 1:
+            continue
+        if use[0] == "split":
+            problems.append(f"{where!r} is split into the parts {use[1]} by the forward, not {blocks} equal ones")
+        elif use[0] == "heads":
+            problems.append(
+                f"{where!r}'s output is reshaped into {use[1]} heads, not split into {blocks} parts (a per-head"
+                " interleaved projection: give it 'colwise')"
+            )
+        else:
+            problems.append(f"{where!r}'s output is first taken by {use[1]!r}, not split into {blocks} equal parts")
+    return problems
+
+
+class _Trace(NamedTuple):
+    projections: dict[str, nn.Module]
+    inputs: dict[str, frozenset[str]]  # projection -> the projections its input comes from
+    first_use: dict[str, tuple[str, Any]]
+    fed_by: dict[str, frozenset[str]]  # every module of the block -> the projections its input comes from
+    reads: list[tuple[str, str, frozenset[str]]]
+    block_output: list[frozenset[str]]
+
+
+def _trace(root: nn.Module, block_name: str, example_input: Any) -> _Trace:
+    """One forward of ``example_input`` up to the end of the block ``block_name``, its data flow recorded."""
+    block = root.get_submodule(block_name)
     projections = {n: m for n, m in block.named_modules() if n and is_projection(m)}
     flow = _DataFlow()
     inputs: dict[str, frozenset[str]] = {}
@@ -205,18 +305,7 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
         with torch.no_grad():
             for name, b in root.named_buffers():
                 b.copy_(buffers[name])
-    styles = _decide(block_name, projections, inputs, flow.first_use)
-    openers = {n for n, style in styles.items() if style != "rowwise"}
-    closers = [n for n, style in styles.items() if style == "rowwise"]
-    regions = {c: sorted(inputs[c] & openers, key=list(projections).index) for c in closers}
-    _check_regions(block_name, block, projections, styles, regions, fed_by, flow.reads, block_output)
-    # modules computing on a shard: fed by a column-wise split, neither a row-wise one nor a module holding one
-    # (BERT's BertSelfOutput takes the sharded input, but its norm runs after the row-wise split, replicated)
-    inside = [
-        n for n, sources in fed_by.items()
-        if sources & openers and styles.get(n) != "rowwise" and not any(c.startswith(n + ".") for c in closers)
-    ]  # fmt: skip
-    return BlockPlan(styles, inside, regions)
+    return _Trace(projections, inputs, flow.first_use, fed_by, flow.reads, block_output)
 
 
 def _parent(name: str) -> str:

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.structure import ModelStructure
-from lightning_hybrid.tensor_parallel.discover import discover_block_plan
+from lightning_hybrid.tensor_parallel.discover import check_block_plan, discover_block_plan
 from lightning_hybrid.tensor_parallel.styles import (
     FusedColwiseParallel,
     GradientSum,
@@ -159,8 +159,27 @@ def _auto_plan(root: nn.Module, structure: ModelStructure, vocab_parallel_loss: 
         names_error = error
     if names_error is not None or not plan.styles:
         plan = _data_flow_plan(root, structure, names_error)
+    else:
+        _check_names_plan(root, structure, plan)
     _vocab_styles(plan, structure, vocab_parallel_loss)
     return plan
+
+
+def _check_names_plan(root: nn.Module, structure: ModelStructure, plan: TensorParallelPlan) -> None:
+    """A plan found by layer names is checked against the data flow of one forward of the module's
+    ``example_input_array``, where it has one: the names do not tell a fused projection's parts (unequal q|k|v under
+    grouped-query attention, a per-head interleaved qkv), nor whether a norm computes over the sharded features."""
+    example = getattr(root, "example_input_array", None)
+    first = structure.block_names()[0]
+    styles: dict[str, str] = {}
+    for name, style in plan.styles.items():
+        role = region_role(style)
+        if not name.startswith(first + ".") or role is None:
+            continue
+        fused = isinstance(style, FusedColwiseParallel)
+        styles[name[len(first) + 1 :]] = f"fused_colwise_{style.num_blocks}" if fused else f"{role}wise"
+    if styles and example is not None:
+        check_block_plan(root, first, example, styles)
 
 
 def _data_flow_plan(
