@@ -275,7 +275,10 @@ def _trace(root: nn.Module, block_name: str, example_input: Any) -> _Trace:
                 flow.mark(t, frozenset())
 
     def stop(module: nn.Module, args: tuple, output: Any) -> None:
-        block_output.append(flow.sources_of(output))
+        # the hidden state only: a block may return its attention weights too (sharded over heads), which the model
+        # drops unless it was asked for them
+        hidden = tensors_in(output)
+        block_output.append(flow.sources_of(hidden[0]) if hidden else frozenset())
         raise _StopAfterBlock
 
     handles.append(block.register_forward_pre_hook(on_block_input, with_kwargs=True))
