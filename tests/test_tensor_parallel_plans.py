@@ -284,3 +284,16 @@ def test_a_norm_over_the_sharded_features_is_refused() -> None:
     net = _TinyLM(_NormInside)
     with pytest.raises(HybridConfigError, match=r"'norm' \(LayerNorm\) computes over all the features of \['fc'\]"):
         build_tensor_parallel_plan(net, find_model_structure(net))
+
+
+def test_a_dict_plan_may_close_a_split_in_a_sibling_module_the_data_flow_checks() -> None:
+    """Before: 'splits layers of ...self_attn but has no row-wise (output) projection there' for any dict plan."""
+    plan = {"blocks.*.self_attn.query": "colwise", "blocks.*.self_attn.key": "colwise",
+            "blocks.*.self_attn.value": "colwise", "blocks.*.output.dense": "rowwise"}  # fmt: skip
+    exact = _TinyLM(_BertLikeLayer)
+    found = build_tensor_parallel_plan(exact, find_model_structure(exact), plan)
+    assert found.closed_by["blocks.1.self_attn.value"] == "blocks.1.output.dense"
+    assert found.sharded_region_modules == {"blocks.0.self_attn", "blocks.1.self_attn"}
+    net = _TinyLM(type("Layer", (_BertLikeLayer,), {"between": "residual"}))
+    with pytest.raises(HybridConfigError, match=r"applies 'add' to the sharded output of \['self_attn.query'"):
+        build_tensor_parallel_plan(net, find_model_structure(net), plan)

@@ -155,17 +155,21 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
     return BlockPlan(styles, inside, regions)
 
 
-def check_block_plan(root: nn.Module, block_name: str, example_input: Any, styles: dict[str, str]) -> None:
-    """Check a plan found another way (by layer names) against the data flow of one forward, as a plan found from
-    the data flow is checked: each fused projection's parts (:func:`fused_split_problems`), and each region's sharded
-    activation read by nothing that needs it whole (a norm over the sharded features). ``styles``: the block's split
-    layers (names in the block) -> ``"colwise"``, ``"fused_colwise_<k>"`` or ``"rowwise"``; a region is the
-    column-wise splits of a module closed by its row-wise one.
+def check_block_plan(
+    root: nn.Module, block_name: str, example_input: Any, styles: dict[str, str]
+) -> dict[str, list[str]]:
+    """Check a plan found another way (by layer names, or a dict) against the data flow of one forward, as a plan
+    found from the data flow is checked: each fused projection's parts (:func:`fused_split_problems`), and each
+    region's sharded activation read by nothing that needs it whole (a norm over the sharded features; on the way to
+    a sibling module, anything). ``styles``: the block's split layers (names in the block) -> ``"colwise"``,
+    ``"fused_colwise_<k>"`` or ``"rowwise"``. Returns the regions the data flow shows: each row-wise split -> the
+    column-wise splits whose outputs it reads.
 
     Example:
         >>> net = nn.Sequential(nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))]))
         >>> net.forward = lambda x: net[0][0](x)
         >>> check_block_plan(net, "0.0", torch.zeros(2, 4), {"0": "colwise", "2": "rowwise"})
+        {'2': ['0']}
     """
     block = root.get_submodule(block_name)
     trace = _trace(root, block_name, example_input)
@@ -173,17 +177,20 @@ def check_block_plan(root: nn.Module, block_name: str, example_input: Any, style
     problems = _fused_problems(block_name, trace.first_use, fused)
     if problems:
         raise HybridConfigError(
-            f"`tensor_parallel_plan='auto'` found fused projections by their names in {block_name!r}, but"
-            f" {'; '.join(problems)}: no tensor-parallel layout splits each part of such a weight exactly. Leave the"
-            " attention replicated: give `tensor_parallel_plan` as a dict naming only the MLP layers."
+            f"The tensor-parallel plan splits fused projections of {block_name!r} (found by their names, or given as"
+            f" 'fused_colwise_<k>'), but {'; '.join(problems)}: no tensor-parallel layout splits each part of such a"
+            " weight exactly. Leave the attention replicated: give `tensor_parallel_plan` as a dict naming only the"
+            " MLP layers."
         )
+    openers = [n for n, style in styles.items() if style != "rowwise"]
     regions = {
-        closer: [o for o, s in styles.items() if s != "rowwise" and _parent(o) == _parent(closer)]
+        closer: [o for o in openers if o in trace.inputs.get(closer, frozenset())]
         for closer, style in styles.items()
         if style == "rowwise"
     }
-    regions = {c: openers for c, openers in regions.items() if openers}
+    regions = {c: found for c, found in regions.items() if found}
     _check_regions(block_name, block, trace.projections, styles, regions, trace.fed_by, trace.reads, [])
+    return regions
 
 
 def fused_split_problems(root: nn.Module, block_name: str, example_input: Any, fused: dict[str, int]) -> list[str]:

@@ -159,18 +159,23 @@ def _auto_plan(root: nn.Module, structure: ModelStructure, vocab_parallel_loss: 
         names_error = error
     if names_error is not None or not plan.styles:
         plan = _data_flow_plan(root, structure, names_error)
-    else:
-        _check_names_plan(root, structure, plan)
+    elif not plan.closed_by:  # not yet checked by data flow (_finish_plan does where a region is open by names)
+        _check_by_data_flow(root, structure, plan)
     _vocab_styles(plan, structure, vocab_parallel_loss)
     return plan
 
 
-def _check_names_plan(root: nn.Module, structure: ModelStructure, plan: TensorParallelPlan) -> None:
-    """A plan found by layer names is checked against the data flow of one forward of the module's
-    ``example_input_array``, where it has one: the names do not tell a fused projection's parts (unequal q|k|v under
-    grouped-query attention, a per-head interleaved qkv), nor whether a norm computes over the sharded features."""
+def _check_by_data_flow(root: nn.Module, structure: ModelStructure, plan: TensorParallelPlan) -> bool:
+    """Check a plan found by layer names (or given as a dict) against the data flow of one forward of the module's
+    ``example_input_array``, where it has one, and record in ``plan.closed_by`` which row-wise split reads which
+    column-wise ones: the names do not tell a fused projection's parts (unequal q|k|v under grouped-query attention,
+    a per-head interleaved qkv), whether a norm computes over the sharded features, nor that a split opened in one
+    module closes in a sibling (BERT). Returns whether the check ran."""
     example = getattr(root, "example_input_array", None)
-    first = structure.block_names()[0]
+    if example is None or structure.blocks_name is None:
+        return False
+    blocks = structure.block_names()
+    first = blocks[0]
     styles: dict[str, str] = {}
     for name, style in plan.styles.items():
         role = region_role(style)
@@ -178,14 +183,22 @@ def _check_names_plan(root: nn.Module, structure: ModelStructure, plan: TensorPa
             continue
         fused = isinstance(style, FusedColwiseParallel)
         styles[name[len(first) + 1 :]] = f"fused_colwise_{style.num_blocks}" if fused else f"{role}wise"
-    if not styles or example is None:
-        return
+    if not styles:
+        return False
     try:
-        check_block_plan(root, first, example, styles)
+        regions = check_block_plan(root, first, example, styles)
     except HybridConfigError:
         raise
-    except Exception as error:  # the example input does not run through the model: the names plan stands unchecked
+    except Exception as error:  # the example input does not run through the model: the plan stands unchecked
         rank_zero_info(f"lightning-hybrid: the tensor-parallel plan by names is not checked by data flow: {error}")
+        return False
+    for block in blocks:  # every block laid out like the first (the names table and a '*' pattern give the same)
+        for closer, openers in regions.items():
+            if f"{block}.{closer}" in plan.styles:
+                plan.closed_by |= {
+                    f"{block}.{o}": f"{block}.{closer}" for o in openers if f"{block}.{o}" in plan.styles
+                }
+    return True
 
 
 def _data_flow_plan(
@@ -246,6 +259,10 @@ def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStru
         if kind:
             regions.setdefault(_parent(name), set()).add(kind)
             members.setdefault(_parent(name), []).append(name)
+    open_regions = any(kinds != {"col", "row"} for kinds in regions.values())
+    if open_regions and not plan.closed_by and structure.blocks_name is not None:
+        # a split that the module opening it does not close may close in a sibling module: the data flow tells
+        _check_by_data_flow(root, structure, plan)
 
     def closed_in_sibling(opener: str) -> bool:
         closer = plan.closed_by.get(opener)
