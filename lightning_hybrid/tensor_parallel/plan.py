@@ -86,8 +86,8 @@ class TensorParallelPlan:
         # a plan found by data flow knows exactly which modules compute between its splits (``None``: by names, every
         # module under a split region's parent does)
         self.inside_split: Optional[set[str]] = None
-        # a plan found by data flow: each column-wise split -> the row-wise split that reads its output (which may sit
-        # in a sibling module, BERT's ``attention.output.dense`` for ``attention.self.query``)
+        # where the data flow was followed or checked: each column-wise split -> the row-wise split that reads its
+        # output (which may sit in a sibling module, BERT's ``attention.output.dense`` for ``attention.self.query``)
         self.closed_by: dict[str, str] = {}
         self.vocab_parallel_head: Optional[str] = None
 
