@@ -31,6 +31,7 @@ __all__ = [
     "TorchDispatchMode",
     "c10d_namespaces",
     "colwise_input_fn",
+    "style_output_fn",
     "compute_local_shape_and_global_offset",
     "dtensor_local_data",
     "extension_build_directory",
@@ -117,8 +118,9 @@ def tensor_version(t: Tensor) -> int:
 def colwise_input_fn(style: Any) -> Callable[..., Any]:
     """The input hook torch's ``ColwiseParallel`` installs, for a subclass that distributes the module itself:
     ``ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)``, bound to
-    ``style``'s layouts. Public replacement: none (a ``ParallelStyle`` has no public input hook); switch to one
-    when torch's parallel styles expose it.
+    ``style``'s layouts (``RowwiseParallel._prepare_input_fn`` is the same code, so it serves a row-wise style too).
+    Public replacement: none (a ``ParallelStyle`` has no public input hook); switch to one when torch's parallel
+    styles expose it.
 
     Example:
         >>> from torch.distributed.tensor.parallel import ColwiseParallel
@@ -128,6 +130,22 @@ def colwise_input_fn(style: Any) -> Callable[..., Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     return partial(ColwiseParallel._prepare_input_fn, style.input_layouts, style.desired_input_layouts)
+
+
+def style_output_fn(style: Any) -> Callable[..., Any]:
+    """The output hook torch's ``ColwiseParallel`` and ``RowwiseParallel`` install (the same code in both: redistribute
+    the output to ``output_layouts``, then take its local tensor if ``use_local_output``), for a subclass that
+    distributes the module itself: ``ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod,
+    outputs, device_mesh)``, bound to ``style``'s layouts. Public replacement: none, as for :func:`colwise_input_fn`.
+
+    Example:
+        >>> from torch.distributed.tensor.parallel import RowwiseParallel
+        >>> callable(style_output_fn(RowwiseParallel()))
+        True
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return partial(ColwiseParallel._prepare_output_fn, style.output_layouts, style.use_local_output)
 
 
 # --- autograd -------------------------------------------------------------------------------------------------------

@@ -138,3 +138,162 @@ def test_grouped_query_fused_qkv_is_refused_not_split_wrong() -> None:
     plan = build_tensor_parallel_plan(net, find_model_structure(net))
     with pytest.raises(HybridConfigError, match=r"attn.qkv' is split as 3 equal fused blocks.*n_head=8, n_query_gr"):
         validate_tensor_parallel_plan(net, plan, 2)
+
+
+def test_gpt2_conv1d_layers_get_the_transposed_styles_and_the_fused_c_attn_its_parts() -> None:
+    """Before: the names table read nn.Linear only and the data-flow plan refused ``Conv1D`` ('splits nn.Linear and
+    nn.Embedding layers only'). HF GPT-2 trains at tp=2 and in 3D like one device in the zoo."""
+    from lightning_hybrid.tensor_parallel.styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
+    from lightning_hybrid.tensor_parallel.styles import FusedColwiseParallel as Fused
+
+    module = _hf("gpt2")
+    plan = build_tensor_parallel_plan(module, find_model_structure(module))
+    block = "model.transformer.h.0"
+    assert {k[len(block) + 1 :]: type(v) for k, v in plan.styles.items() if k.startswith(block + ".")} == {
+        "attn.c_attn": Fused, "attn.c_proj": Conv1DRowwiseParallel, "mlp.c_fc": Conv1DColwiseParallel,
+        "mlp.c_proj": Conv1DRowwiseParallel,
+    }  # fmt: skip
+    assert plan.styles[f"{block}.attn.c_attn"].num_blocks == 3
+    # GPT-2's forward splits c_attn's output by `split_size` and reshapes by head_dim: both follow the local heads
+    assert f"{block}.attn" in plan.attention_modules
+
+
+class _Qkv(nn.Module):
+    """A GPT-2 look-alike attention: a Conv1D ``c_attn`` whose q|k|v parts are unequal (multi-query, as GPTBigCode)."""
+
+    def __init__(self, width: int = 16, kv: int = 4) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        self.num_heads, self.kv = 4, kv
+        self.c_attn, self.c_proj = Conv1D(width + 2 * kv, width), Conv1D(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).split([x.shape[-1], self.kv, self.kv], dim=-1)
+        return x + self.c_proj(q * k.mean(-1, keepdim=True) + v.mean(-1, keepdim=True))
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, block: type, n: int = 2) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = nn.Embedding(32, 16), nn.ModuleList(block() for _ in range(n)), None
+        self.head = nn.Linear(16, 32)
+        self.example_input_array = torch.zeros(2, 4, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_fused_projection_named_like_gpt2s_but_split_unequally_is_refused() -> None:
+    net = _TinyLM(_Qkv)
+    with pytest.raises(HybridConfigError, match=r"'blocks.0.c_attn' is split into the parts \[16, 4, 4\] by the for"):
+        build_tensor_parallel_plan(net, find_model_structure(net))
+
+
+def test_bert_splits_close_in_the_sibling_output_modules() -> None:
+    """Before: 'splits layers of ...attention.self but has no row-wise (output) projection there'. HF BERT trains at
+    tp=2 and in 3D like one device in the zoo."""
+    from tests.zoo_models import HFMaskedLM
+
+    module = HFMaskedLM("bert")
+    plan = build_tensor_parallel_plan(module, find_model_structure(module))
+    layer = "model.bert.encoder.layer.0"
+    assert {k[len(layer) + 1 :]: type(v).__name__ for k, v in plan.styles.items() if k.startswith(layer + ".")} == {
+        "attention.self.query": "ColwiseParallel", "attention.self.key": "ColwiseParallel",
+        "attention.self.value": "ColwiseParallel", "attention.output.dense": "RowwiseParallel",
+        "intermediate.dense": "ColwiseParallel", "output.dense": "RowwiseParallel",
+    }  # fmt: skip
+    assert plan.closed_by[f"{layer}.attention.self.query"] == f"{layer}.attention.output.dense"
+    assert f"{layer}.attention.self" in plan.attention_modules
+    # the sibling's norm runs after the row-wise split, on whole tensors: its gradients are averaged, not summed
+    assert not {f"{layer}.attention.output", f"{layer}.output"} & (plan.inside_split | plan.sharded_region_modules)
+
+
+class _SelfAttn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (*x.shape[:-1], -1, 4)
+        q, k, v = (m(x).view(shape).transpose(1, 2) for m in (self.query, self.key, self.value))
+        return (q @ k.transpose(-1, -2)).softmax(-1).matmul(v).transpose(1, 2).reshape(*x.shape[:-1], -1)
+
+
+class _SelfOutput(nn.Module):
+    def __init__(self, norm_first: bool = False) -> None:
+        super().__init__()
+        self.dense, self.norm, self.norm_first = nn.Linear(16, 16), nn.LayerNorm(16), norm_first
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.norm_first:  # reads the sharded activation before the row-wise projection
+            h = self.norm(h)
+        return self.norm(self.dense(h) + x)
+
+
+class _BertLikeLayer(nn.Module):
+    """BERT's layout: attention.self (q, k, v) -> attention.output (dense) in sibling modules; ``between`` puts
+    something that reads the sharded activation between them."""
+
+    between = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = _SelfAttn()
+        self.output = _SelfOutput(norm_first=self.between == "norm in the sibling")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn(x)
+        if self.between == "residual":
+            h = h + x
+        elif self.between == "scale":
+            h = h * x.mean()
+        return self.output(h, x)
+
+
+@pytest.mark.parametrize("between", ["residual", "scale", "norm in the sibling"])
+def test_a_sibling_split_that_something_else_reads_on_the_way_is_refused(between: str) -> None:
+    exact = _TinyLM(_BertLikeLayer)
+    plan = build_tensor_parallel_plan(exact, find_model_structure(exact))
+    assert plan.closed_by["blocks.0.self_attn.query"] == "blocks.0.output.dense"
+    layer = type("Layer", (_BertLikeLayer,), {"between": between})
+    net = _TinyLM(layer)
+    # a full-width norm ends what the data flow follows (it is the residual stream's): no split is found there at all
+    refusal = "found no pair of projections" if between.startswith("norm") else "before 'output.dense'"
+    with pytest.raises(HybridConfigError, match=rf"`tensor_parallel_plan='auto'` .*{refusal}"):
+        build_tensor_parallel_plan(net, find_model_structure(net))
+
+
+class _NormInside(nn.Module):
+    """An MLP with a norm over its hidden features between its two layers (NormFormer): each rank would normalize
+    its shard of the features alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm, self.proj = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.norm(self.fc(x)))
+
+
+def test_a_norm_over_the_sharded_features_is_refused() -> None:
+    """Before: split silently (the norm's statistics over one rank's half of the features)."""
+    net = _TinyLM(_NormInside)
+    with pytest.raises(HybridConfigError, match=r"'norm' \(LayerNorm\) computes over all the features of \['fc'\]"):
+        build_tensor_parallel_plan(net, find_model_structure(net))
+
+
+def test_a_dict_plan_may_close_a_split_in_a_sibling_module_the_data_flow_checks() -> None:
+    """Before: 'splits layers of ...self_attn but has no row-wise (output) projection there' for any dict plan."""
+    plan = {"blocks.*.self_attn.query": "colwise", "blocks.*.self_attn.key": "colwise",
+            "blocks.*.self_attn.value": "colwise", "blocks.*.output.dense": "rowwise"}  # fmt: skip
+    exact = _TinyLM(_BertLikeLayer)
+    found = build_tensor_parallel_plan(exact, find_model_structure(exact), plan)
+    assert found.closed_by["blocks.1.self_attn.value"] == "blocks.1.output.dense"
+    assert found.sharded_region_modules == {"blocks.0.self_attn", "blocks.1.self_attn"}
+    net = _TinyLM(type("Layer", (_BertLikeLayer,), {"between": "residual"}))
+    with pytest.raises(HybridConfigError, match=r"applies 'add' to the sharded output of \['self_attn.query'"):
+        build_tensor_parallel_plan(net, find_model_structure(net), plan)

@@ -55,17 +55,11 @@ MATCH = "match"
 # (model, layout) -> MATCH, or a regular expression the HybridConfigError on every rank must match
 ZOO: dict[tuple[str, str], str] = {(model, layout): MATCH for model in MODELS for layout in LAYOUTS}
 _GQA = r"attn.qkv' is split as 3 equal fused blocks \(q\|k\|v\), but its attention has n_head=4, n_query_groups=2"
-_CONV1D = r"gives 'model.transformer.h.0.attn.c_proj' \(Conv1D\) the style 'rowwise', which splits nn.Linear"
-_SIBLING = r"splits layers of 'model.bert.encoder.layer.0.attention.self' but has no row-wise \(output\) projection"
 _NO_BLOCKS = r"Could not find the repeated transformer blocks in {} .*`pipeline_parallel_size=2` \(the pipeline"
 _NO_BLOCKS_TP = r"Could not find the repeated transformer blocks in {} .*`tensor_parallel_plan='auto'`"
 ZOO.update({
     # litgpt's fused qkv under grouped-query attention holds unequal q|k|v parts: no tensor-parallel layout splits it
     ("litgpt_llama", "tp2"): _GQA, ("litgpt_llama", "tp2-pp2-dp2"): _GQA,
-    # HF Conv1D (GPT-2's transposed projections) has no tensor-parallel style
-    ("hf-gpt2", "tp2"): _CONV1D, ("hf-gpt2", "tp2-pp2-dp2"): _CONV1D,
-    # BERT's attention output projection lives in a sibling module (BertSelfOutput) the names table does not reach
-    ("hf-bert", "tp2"): _SIBLING, ("hf-bert", "tp2-pp2-dp2"): _SIBLING,
     # no repeated block list: nothing to cut into stages, no layers to read an automatic plan from
     ("cnn", "pp2"): _NO_BLOCKS.format("SmallCNN"), ("cnn", "tp2"): _NO_BLOCKS_TP.format("SmallCNN"),
     ("cnn", "tp2-pp2-dp2"): _NO_BLOCKS.format("SmallCNN"),

@@ -14,8 +14,20 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_hybrid._hooks import map_first_input, map_output
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.structure import ModelStructure
-from lightning_hybrid.tensor_parallel.plan import HEAD_COUNT_ATTRIBUTES, TensorParallelPlan, config_head_counts
-from lightning_hybrid.tensor_parallel.styles import FusedColwiseParallel, LocalShardParallel, region_role
+from lightning_hybrid.tensor_parallel.plan import (
+    HEAD_COUNT_ATTRIBUTES,
+    SHARDED_WIDTH_ATTRIBUTES,
+    TensorParallelPlan,
+    config_head_counts,
+)
+from lightning_hybrid.tensor_parallel.styles import (
+    Conv1DRowwiseParallel,
+    FusedColwiseParallel,
+    LocalShardParallel,
+    is_projection,
+    projection_features,
+    region_role,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -41,9 +53,10 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
                     what = f"dim {placement.dim}" + (f" per packed block ({blocks} blocks)" if blocks > 1 else "")
                     problems.append(f"{name}.{pname}[{what}]={shape[placement.dim] // blocks}")
             continue
-        if isinstance(module, nn.Linear):
+        if is_projection(module):
+            in_features, out_features = projection_features(module)
             if isinstance(style, FusedColwiseParallel):
-                dim, what = module.out_features // style.num_blocks, "out_features per fused block"
+                dim, what = out_features // style.num_blocks, "out_features per fused block"
                 if unequal := _grouped_query_counts(root, name, style):
                     raise HybridConfigError(
                         f"{name!r} is split as {style.num_blocks} equal fused blocks (q|k|v), but its attention has"
@@ -52,9 +65,9 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
                         " as a dict naming only the MLP layers."
                     )
             elif isinstance(style, ColwiseParallel):
-                dim, what = module.out_features, "out_features"
+                dim, what = out_features, "out_features"
             elif isinstance(style, RowwiseParallel):
-                dim, what = module.in_features, "in_features"
+                dim, what = in_features, "in_features"
             else:
                 continue
         elif isinstance(module, nn.Embedding) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
@@ -67,7 +80,7 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
             problems.append(f"{name}.{what}={dim}")
     for name in sorted(plan.attention_modules):
         module = root.get_submodule(name)
-        for attr in HEAD_COUNT_ATTRIBUTES:
+        for attr in HEAD_COUNT_ATTRIBUTES + SHARDED_WIDTH_ATTRIBUTES:
             value = getattr(module, attr, None)
             if isinstance(value, int) and value % tp:
                 problems.append(f"{name}.{attr}={value}")
@@ -167,13 +180,13 @@ def apply_tensor_parallel(
                 "'rowwise_split_input' styles). Turn `sequence_parallel` off, or give 'colwise'/'rowwise' plans."
             )
         for name, style in list(plan.styles.items()):
-            if type(style) is RowwiseParallel and name != structure.token_embedding_name:
-                plan.styles[name] = RowwiseParallel(output_layouts=Shard(1))
+            if type(style) in (RowwiseParallel, Conv1DRowwiseParallel) and name != structure.token_embedding_name:
+                plan.styles[name] = type(style)(output_layouts=Shard(1))
         _sequence_parallel(root, structure, plan, mesh)
     parallelize_module(root, mesh, plan.styles)
     for name in plan.attention_modules:
         module = root.get_submodule(name)
-        for attr in HEAD_COUNT_ATTRIBUTES:
+        for attr in HEAD_COUNT_ATTRIBUTES + SHARDED_WIDTH_ATTRIBUTES:
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, getattr(module, attr) // tp)
         if counts := config_head_counts(module):
@@ -202,11 +215,12 @@ def apply_tensor_parallel(
 
 def _retie(root: nn.Module, structure: ModelStructure) -> None:
     """Parallelizing replaces each parameter by a new DTensor parameter, which unties shared weights; tie them again."""
+    # by the parameters this rank holds: a pipeline stub keeps the other side's attributes readable (not held)
+    held = dict(root.named_parameters(remove_duplicate=False))
     for first, second in structure.tied_parameters:
-        try:
-            keep, other = root.get_parameter(first), root.get_parameter(second)
-        except AttributeError:
+        if first not in held or second not in held:
             continue  # the two sides are on different pipeline stages; their gradients are summed across stages
+        keep, other = held[first], held[second]
         if keep is other:
             continue
         placements_a = keep.placements if isinstance(keep, DTensor) else None

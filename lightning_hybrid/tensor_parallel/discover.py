@@ -11,7 +11,12 @@ directly:
   split (per-head interleaved fused qkv); one whose output is first split into ``k`` equal parts along the features is
   a fused projection (``fused_colwise_k``); unequal parts cannot be split exactly and are refused;
 - a chain of three or more projections, or a projection feeding two regions, is not decided: the error prints what
-  was found and the dict the user completes.
+  was found and the dict the user completes;
+- a region may close in a sibling module of the one that opens it (BERT: ``attention.self.{query,key,value}`` ->
+  ``attention.output.dense``), provided nothing else reads the sharded activation on the way: no torch function of
+  the parent's own code or of the sibling's before its row-wise projection (a norm, a residual add) may take it, and
+  only parameter-free modules (dropout) of the sibling may; anywhere in a region, a module with a parameter as wide
+  as the sharded features (a norm over them) is refused, because each rank would see only its shard of them.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_hybrid._hooks import tensors_in
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.tensor_parallel.styles import is_projection, projection_features
 
-__all__ = ["BlockPlan", "discover_block_plan"]
+__all__ = ["BlockPlan", "check_block_plan", "discover_block_plan", "fused_split_problems"]
 
 
 class BlockPlan(NamedTuple):
@@ -34,6 +40,8 @@ class BlockPlan(NamedTuple):
 
     styles: dict[str, str]
     inside_split: list[str]
+    # each row-wise projection -> the column-wise projections whose sharded outputs it reads
+    regions: dict[str, list[str]] = {}
 
 
 _SPLITS = {"split", "chunk", "split_with_sizes", "tensor_split", "unbind"}
@@ -45,11 +53,6 @@ class _StopAfterBlock(Exception):
     """Ends the discovery forward once the first block has run: nothing after it is needed."""
 
 
-def _is_projection(module: nn.Module) -> bool:
-    # nn.Linear, and transformers' Conv1D (GPT-2), whose weight is stored transposed
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
-
-
 class _DataFlow(TorchFunctionMode):
     """Propagates, through every torch function, the set of projections each tensor was computed from."""
 
@@ -59,6 +62,9 @@ class _DataFlow(TorchFunctionMode):
         self.keep: list[Tensor] = []  # ids stay unique while the tensors live
         self.produced_by: dict[int, str] = {}  # a projection's own output -> its name
         self.first_use: dict[str, tuple[str, Any]] = {}  # projection -> how its output is first consumed
+        self.stack: list[str] = []  # the block's modules running now, innermost last ("" is the block itself)
+        # every torch function taking a tensor computed from projections: (innermost module, function, sources)
+        self.reads: list[tuple[str, str, frozenset[str]]] = []
 
     def mark(self, tensor: Tensor, sources: frozenset[str]) -> None:
         self.sources[id(tensor)] = sources
@@ -82,6 +88,8 @@ class _DataFlow(TorchFunctionMode):
                 self.first_use[name] = _describe_use(fname, args[0], out)
         sources = self.sources_of((args, kwargs))
         if sources:
+            if self.stack:
+                self.reads.append((self.stack[-1], getattr(func, "__name__", str(func)), sources))
             for t in tensors_in(out):
                 self.mark(t, sources)
         return out
@@ -131,7 +139,114 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
         {'proj': 'rowwise', 'fc_1': 'colwise', 'fc_2': 'colwise'}
     """
     block = root.get_submodule(block_name)
-    projections = {n: m for n, m in block.named_modules() if n and _is_projection(m)}
+    trace = _trace(root, block_name, example_input)
+    projections, inputs, fed_by = trace.projections, trace.inputs, trace.fed_by
+    styles = _decide(block_name, projections, inputs, trace.first_use)
+    openers = {n for n, style in styles.items() if style != "rowwise"}
+    closers = [n for n, style in styles.items() if style == "rowwise"]
+    regions = {c: sorted(inputs[c] & openers, key=list(projections).index) for c in closers}
+    _check_regions(block_name, block, projections, styles, regions, fed_by, trace.reads, trace.block_output)
+    # modules computing on a shard: fed by a column-wise split, neither a row-wise one nor a module holding one
+    # (BERT's BertSelfOutput takes the sharded input, but its norm runs after the row-wise split, replicated)
+    inside = [
+        n for n, sources in fed_by.items()
+        if sources & openers and styles.get(n) != "rowwise" and not any(c.startswith(n + ".") for c in closers)
+    ]  # fmt: skip
+    return BlockPlan(styles, inside, regions)
+
+
+def check_block_plan(
+    root: nn.Module, block_name: str, example_input: Any, styles: dict[str, str]
+) -> dict[str, list[str]]:
+    """Check a plan found another way (by layer names, or a dict) against the data flow of one forward, as a plan
+    found from the data flow is checked: each fused projection's parts (:func:`fused_split_problems`), and each
+    region's sharded activation read by nothing that needs it whole (a norm over the sharded features; on the way to
+    a sibling module, anything). ``styles``: the block's split layers (names in the block) -> ``"colwise"``,
+    ``"fused_colwise_<k>"`` or ``"rowwise"``. Returns the regions the data flow shows: each row-wise split -> the
+    column-wise splits whose outputs it reads.
+
+    Example:
+        >>> net = nn.Sequential(nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))]))
+        >>> net.forward = lambda x: net[0][0](x)
+        >>> check_block_plan(net, "0.0", torch.zeros(2, 4), {"0": "colwise", "2": "rowwise"})
+        {'2': ['0']}
+    """
+    block = root.get_submodule(block_name)
+    trace = _trace(root, block_name, example_input)
+    fused = {n: int(s.rsplit("_", 1)[1]) for n, s in styles.items() if s.startswith("fused_colwise_")}
+    problems = _fused_problems(block_name, trace.first_use, fused)
+    if problems:
+        raise HybridConfigError(
+            f"The tensor-parallel plan splits fused projections of {block_name!r} (found by their names, or given as"
+            f" 'fused_colwise_<k>'), but {'; '.join(problems)}: no tensor-parallel layout splits each part of such a"
+            " weight exactly. Leave the attention replicated: give `tensor_parallel_plan` as a dict naming only the"
+            " MLP layers."
+        )
+    openers = [n for n, style in styles.items() if style != "rowwise"]
+    regions = {
+        closer: [o for o in openers if o in trace.inputs.get(closer, frozenset())]
+        for closer, style in styles.items()
+        if style == "rowwise"
+    }
+    regions = {c: found for c, found in regions.items() if found}
+    _check_regions(block_name, block, trace.projections, styles, regions, trace.fed_by, trace.reads, [])
+    return regions
+
+
+def fused_split_problems(root: nn.Module, block_name: str, example_input: Any, fused: dict[str, int]) -> list[str]:
+    """Check layers a plan splits as ``k`` equal fused blocks (``fused``: name in the block -> ``k``, from their names)
+    against the split the forward actually makes of their output; returns what does not match.
+
+    A name does not tell the parts: litgpt's ``qkv`` under grouped-query attention holds unequal q|k|v, GPTBigCode's
+    multi-query ``c_attn`` q|kv, and a per-head interleaved ``qkv`` is reshaped into heads, not split.
+
+    Example:
+        >>> class Attn(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.qkv, self.proj = nn.Linear(8, 16), nn.Linear(8, 8)
+        ...     def forward(self, x):
+        ...         q, k, v = self.qkv(x).split([8, 4, 4], dim=-1)
+        ...         return self.proj(q * k.repeat(1, 2) + v.repeat(1, 2))
+        >>> net = nn.Sequential(nn.ModuleList([Attn()]))
+        >>> net.forward = lambda x: net[0][0](x)
+        >>> fused_split_problems(net, "0.0", torch.zeros(2, 8), {"qkv": 3})
+        ["'0.0.qkv' is split into the parts [8, 4, 4] by the forward, not 3 equal ones"]
+    """
+    return _fused_problems(block_name, _trace(root, block_name, example_input).first_use, fused)
+
+
+def _fused_problems(block_name: str, uses: dict[str, tuple[str, Any]], fused: dict[str, int]) -> list[str]:
+    problems = []
+    for name, blocks in fused.items():
+        use, where = uses.get(name, ("other", None)), f"{block_name}.{name}"
+        if use[0] == "split" and len(use[1]) == blocks and len(set(use[1])) == 1:
+            continue
+        if use[0] == "split":
+            problems.append(f"{where!r} is split into the parts {use[1]} by the forward, not {blocks} equal ones")
+        elif use[0] == "heads":
+            problems.append(
+                f"{where!r}'s output is reshaped into {use[1]} heads, not split into {blocks} parts (a per-head"
+                " interleaved projection: give it 'colwise')"
+            )
+        else:
+            problems.append(f"{where!r}'s output is first taken by {use[1]!r}, not split into {blocks} equal parts")
+    return problems
+
+
+class _Trace(NamedTuple):
+    projections: dict[str, nn.Module]
+    inputs: dict[str, frozenset[str]]  # projection -> the projections its input comes from
+    first_use: dict[str, tuple[str, Any]]
+    fed_by: dict[str, frozenset[str]]  # every module of the block -> the projections its input comes from
+    reads: list[tuple[str, str, frozenset[str]]]
+    block_output: list[frozenset[str]]
+
+
+def _trace(root: nn.Module, block_name: str, example_input: Any) -> _Trace:
+    """One forward of ``example_input`` up to the end of the block ``block_name``, its data flow recorded."""
+    block = root.get_submodule(block_name)
+    projections = {n: m for n, m in block.named_modules() if n and is_projection(m)}
     flow = _DataFlow()
     inputs: dict[str, frozenset[str]] = {}
     width: list[int] = []
@@ -152,8 +267,14 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
 
     names = {id(m): n for n, m in block.named_modules() if n}
     fed_by: dict[str, frozenset[str]] = {}  # every module of the block -> the projections its input comes from
+    block_output: list[frozenset[str]] = []
+
+    def on_module_start(module: nn.Module, args: tuple) -> None:
+        flow.stack.append(names.get(id(module), ""))
 
     def on_module(module: nn.Module, args: tuple, output: Any) -> None:
+        if flow.stack:
+            flow.stack.pop()
         if id(module) in names:
             fed_by.setdefault(names[id(module)], flow.sources_of(args))
         if width and _is_full_width_norm(module, width[0]):
@@ -161,12 +282,17 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
                 flow.mark(t, frozenset())
 
     def stop(module: nn.Module, args: tuple, output: Any) -> None:
+        # the hidden state only: a block may return its attention weights too (sharded over heads), which the model
+        # drops unless it was asked for them
+        hidden = tensors_in(output)
+        block_output.append(flow.sources_of(hidden[0]) if hidden else frozenset())
         raise _StopAfterBlock
 
     handles.append(block.register_forward_pre_hook(on_block_input, with_kwargs=True))
     for name, module in projections.items():
         handles.append(module.register_forward_hook(on_projection(name)))
     for module in block.modules():
+        handles.append(module.register_forward_pre_hook(on_module_start))
         handles.append(module.register_forward_hook(on_module))
     handles.append(block.register_forward_hook(stop))
     device = next((p.device for p in root.parameters()), torch.device("cpu"))
@@ -189,10 +315,79 @@ def discover_block_plan(root: nn.Module, block_name: str, example_input: Any) ->
         with torch.no_grad():
             for name, b in root.named_buffers():
                 b.copy_(buffers[name])
-    styles = _decide(block_name, projections, inputs, flow.first_use)
-    openers = {n for n, style in styles.items() if style != "rowwise"}
-    inside = [n for n, sources in fed_by.items() if sources & openers and styles.get(n) != "rowwise"]
-    return BlockPlan(styles, inside)
+    return _Trace(projections, inputs, flow.first_use, fed_by, flow.reads, block_output)
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _within(name: str, scope: str) -> bool:
+    return name == scope or name.startswith(scope + ".") or scope == ""
+
+
+def _check_regions(
+    block_name: str,
+    block: nn.Module,
+    projections: dict[str, nn.Module],
+    styles: dict[str, str],
+    regions: dict[str, list[str]],
+    fed_by: dict[str, frozenset[str]],
+    reads: list[tuple[str, str, frozenset[str]]],
+    block_output: list[frozenset[str]],
+) -> None:
+    """Refuse a region whose sharded activation something else reads: a plan that would train, but not exactly."""
+    problems: list[str] = []
+    for closer, openers in regions.items():
+        opened = set(openers)
+        widths = set()  # the sharded features' widths: each opener's, and each part of a fused one
+        for opener in openers:
+            out_features = projection_features(projections[opener])[1]
+            parts = int(styles[opener].rsplit("_", 1)[1]) if styles[opener].startswith("fused_colwise_") else 1
+            widths |= {out_features, out_features // parts}
+        # a module with a parameter as wide as the sharded features: a norm over them sees one rank's shard only
+        for name, sources in fed_by.items():
+            if not sources & opened or name in projections or _within(closer, name):
+                continue
+            own = [p for p in block.get_submodule(name).parameters(recurse=False)]
+            if any(p.dim() >= 1 and p.shape[-1] in widths for p in own):
+                problems.append(
+                    f"{name!r} ({type(block.get_submodule(name)).__name__}) computes over all the features of"
+                    f" {openers} before {closer!r}, and after a column-wise split each rank holds only its share"
+                )
+        owner = _parent(closer)
+        if all(_parent(o) == owner for o in openers):
+            continue  # closed in the module that opens it
+        homes = {_parent(o) for o in openers}
+        if any(_parent(home) != _parent(owner) or home == owner for home in homes):
+            problems.append(
+                f"{closer!r} closes the split of {openers}, which are neither in its module nor in a sibling module"
+            )
+            continue
+        for module, func, sources in reads:
+            if not sources & opened:
+                continue
+            if any(_within(module, home) for home in homes if home) or _within(module, closer):
+                continue  # the opening module's own computation, or the row-wise projection itself
+            in_owner = module != owner and _within(module, owner)
+            if in_owner and not any(True for _ in block.get_submodule(module).parameters()):
+                continue  # a parameter-free module (dropout) of the closing module, applied elementwise
+            if module == owner and func in _PASS_THROUGH:
+                continue
+            where = f"{module!r}" if module else f"the block {block_name!r}"
+            problems.append(
+                f"{where} applies {func!r} to the sharded output of {openers} before {closer!r} takes it (only the"
+                " row-wise projection may read it when the split closes in a sibling module)"
+            )
+            break
+    if block_output and (leaked := sorted(block_output[0] & {o for ops in regions.values() for o in ops})):
+        problems.append(f"the block's output is computed from the sharded output of {leaked} past its row-wise split")
+    if problems:
+        raise HybridConfigError(
+            f"`tensor_parallel_plan='auto'` found splits in {block_name!r} that would not train like one device:"
+            f" {'; '.join(problems)}. Leave those layers replicated: give `tensor_parallel_plan` as a dict naming only"
+            " the layers whose split closes exactly, or use data or pipeline parallel."
+        )
 
 
 def _decide(

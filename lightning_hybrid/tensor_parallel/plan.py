@@ -17,12 +17,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.structure import ModelStructure
-from lightning_hybrid.tensor_parallel.discover import discover_block_plan
+from lightning_hybrid.tensor_parallel.discover import check_block_plan, discover_block_plan
 from lightning_hybrid.tensor_parallel.styles import (
     FusedColwiseParallel,
     GradientSum,
+    is_projection,
     parameter_placement,
     region_role,
+    split_style,
     style_from_name,
 )
 
@@ -53,6 +55,10 @@ FUSED_NAMES = {"c_attn": 3, "qkv": 3, "qkv_proj": 3, "Wqkv": 3, "in_proj": 3, "g
 HEAD_COUNT_ATTRIBUTES = (
     "n_head", "num_heads", "num_attention_heads", "n_kv_head", "n_kv_heads", "num_key_value_heads", "n_query_groups",
 )  # fmt: skip
+# Attributes of an attention module holding the width of its sharded activations (GPT-2's ``split_size``, the width
+# of each of q|k|v its forward splits the fused ``c_attn`` output by; BERT-style ``all_head_size``, heads x head
+# size): divided along with the head counts. Not ``embed_dim``/``hidden_size``: those are the replicated width too.
+SHARDED_WIDTH_ATTRIBUTES = ("split_size", "all_head_size")
 
 
 def config_head_counts(module: nn.Module) -> dict[str, int]:
@@ -83,16 +89,20 @@ class TensorParallelPlan:
         # a plan found by data flow knows exactly which modules compute between its splits (``None``: by names, every
         # module under a split region's parent does)
         self.inside_split: Optional[set[str]] = None
+        # where the data flow was followed or checked: each column-wise split -> the row-wise split that reads its
+        # output (which may sit in a sibling module, BERT's ``attention.output.dense`` for ``attention.self.query``)
+        self.closed_by: dict[str, str] = {}
         self.vocab_parallel_head: Optional[str] = None
 
     def restrict_to(self, root: nn.Module) -> None:
         """Keep only modules this rank still holds (pipeline stages replace the others by parameter-less stubs)."""
 
+        # by the stage's own parameter names: a stub keeps the attributes of what it stands for readable (a meta copy,
+        # tied weights' real tensors), so reaching a module by name does not mean this rank holds it
+        owned = {n for n, _ in root.named_parameters(remove_duplicate=False)}
+
         def held(name: str) -> bool:
-            try:
-                return any(True for _ in root.get_submodule(name).parameters())
-            except AttributeError:
-                return False
+            return any(n.startswith(name + ".") for n in owned)
 
         self.styles = {n: s for n, s in self.styles.items() if held(n)}
         self.attention_modules = {n for n in self.attention_modules if held(n)}
@@ -110,6 +120,10 @@ class TensorParallelPlan:
 
 def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _sibling(a: str, b: str) -> bool:
+    return a != b and _parent(a) == _parent(b)
 
 
 def _vocab_styles(plan: TensorParallelPlan, structure: ModelStructure, vocab_parallel_loss: bool) -> None:
@@ -133,15 +147,15 @@ def _auto_plan(root: nn.Module, structure: ModelStructure, vocab_parallel_loss: 
     for index, block in enumerate(blocks):
         prefix = f"{structure.blocks_name}.{index}"
         for name, module in block.named_modules():
-            if not isinstance(module, nn.Linear):
+            if not is_projection(module):  # nn.Linear, or transformers' Conv1D (GPT-2's, weight transposed)
                 continue
             leaf, fqn = name.rsplit(".", 1)[-1], f"{prefix}.{name}"
             if leaf in FUSED_NAMES:
                 plan.styles[fqn] = FusedColwiseParallel(num_blocks=FUSED_NAMES[leaf])
             elif leaf in COLWISE_NAMES:
-                plan.styles[fqn] = ColwiseParallel()
+                plan.styles[fqn] = split_style("colwise", module)
             elif leaf in ROWWISE_NAMES:
-                plan.styles[fqn] = RowwiseParallel()
+                plan.styles[fqn] = split_style("rowwise", module)
     names_error: Optional[HybridConfigError] = None
     try:
         _finish_plan(plan, root, structure)
@@ -149,8 +163,46 @@ def _auto_plan(root: nn.Module, structure: ModelStructure, vocab_parallel_loss: 
         names_error = error
     if names_error is not None or not plan.styles:
         plan = _data_flow_plan(root, structure, names_error)
+    elif not plan.closed_by:  # not yet checked by data flow (_finish_plan does where a region is open by names)
+        _check_by_data_flow(root, structure, plan)
     _vocab_styles(plan, structure, vocab_parallel_loss)
     return plan
+
+
+def _check_by_data_flow(root: nn.Module, structure: ModelStructure, plan: TensorParallelPlan) -> bool:
+    """Check a plan found by layer names (or given as a dict) against the data flow of one forward of the module's
+    ``example_input_array``, where it has one, and record in ``plan.closed_by`` which row-wise split reads which
+    column-wise ones: the names do not tell a fused projection's parts (unequal q|k|v under grouped-query attention,
+    a per-head interleaved qkv), whether a norm computes over the sharded features, nor that a split opened in one
+    module closes in a sibling (BERT). Returns whether the check ran."""
+    example = getattr(root, "example_input_array", None)
+    if example is None or structure.blocks_name is None:
+        return False
+    blocks = structure.block_names()
+    first = blocks[0]
+    styles: dict[str, str] = {}
+    for name, style in plan.styles.items():
+        role = region_role(style)
+        if not name.startswith(first + ".") or role is None:
+            continue
+        fused = isinstance(style, FusedColwiseParallel)
+        styles[name[len(first) + 1 :]] = f"fused_colwise_{style.num_blocks}" if fused else f"{role}wise"
+    if not styles:
+        return False
+    try:
+        regions = check_block_plan(root, first, example, styles)
+    except HybridConfigError:
+        raise
+    except Exception as error:  # the example input does not run through the model: the plan stands unchecked
+        rank_zero_info(f"lightning-hybrid: the tensor-parallel plan by names is not checked by data flow: {error}")
+        return False
+    for block in blocks:  # every block laid out like the first (the names table and a '*' pattern give the same)
+        for closer, openers in regions.items():
+            if f"{block}.{closer}" in plan.styles:
+                plan.closed_by |= {
+                    f"{block}.{o}": f"{block}.{closer}" for o in openers if f"{block}.{o}" in plan.styles
+                }
+    return True
 
 
 def _data_flow_plan(
@@ -166,7 +218,7 @@ def _data_flow_plan(
             f" `tensor_parallel_plan={{'{structure.blocks_name}.*.attn.q': 'colwise', ...}}`."
         )
     first, *others = structure.block_names()
-    block_plan, inside_split = discover_block_plan(root, first, example)
+    block_plan, inside_split, regions = discover_block_plan(root, first, example)
     if not block_plan:
         raise HybridConfigError(
             f"`tensor_parallel_plan='auto'` found no pair of projections to split in {first!r} (by names or by data"
@@ -185,6 +237,7 @@ def _data_flow_plan(
             name = f"{block}.{leaf}"
             plan.styles[name] = style_from_name(style, name, root.get_submodule(name))
         plan.inside_split |= {f"{block}.{leaf}" for leaf in inside_split}
+        plan.closed_by |= {f"{block}.{o}": f"{block}.{closer}" for closer, openers in regions.items() for o in openers}
     _finish_plan(plan, root, structure)
     rank_zero_info(f"lightning-hybrid: tensor-parallel plan of {first!r} found from its data flow: {block_plan}")
     return plan
@@ -195,20 +248,37 @@ def _module_kinds(block: nn.Module) -> list[tuple[str, str]]:
 
 
 def _finish_plan(plan: TensorParallelPlan, root: nn.Module, structure: ModelStructure) -> None:
-    """Find attention modules and the sharded regions; check that every split region is closed by a row-wise split."""
+    """Find attention modules and the sharded regions; check that every split region is closed by a row-wise split:
+    in the module that opens it, or, where the data flow showed it (``plan.closed_by``), in a sibling module."""
     regions: dict[str, set[str]] = {}
+    members: dict[str, list[str]] = {}
     for name, style in plan.styles.items():
         if structure.blocks_name is not None:
             inside_blocks = name.startswith(structure.blocks_name + ".")
         else:  # a module without a block list (a dict plan): any layer but the embedding and the head
             inside_blocks = name not in (structure.token_embedding_name, structure.output_head_name)
-        if not inside_blocks or not isinstance(root.get_submodule(name), nn.Linear):
+        if not inside_blocks or not is_projection(root.get_submodule(name)):
             continue  # embeddings and the head are split on their own: they open no region
         kind = region_role(style)
         if kind:
             regions.setdefault(_parent(name), set()).add(kind)
+            members.setdefault(_parent(name), []).append(name)
+    open_regions = any(kinds != {"col", "row"} for kinds in regions.values())
+    if open_regions and not plan.closed_by and structure.blocks_name is not None:
+        # a split that the module opening it does not close may close in a sibling module: the data flow tells
+        _check_by_data_flow(root, structure, plan)
+
+    def closed_in_sibling(opener: str) -> bool:
+        closer = plan.closed_by.get(opener)
+        return closer is not None and _parent(closer) != _parent(opener) and _sibling(_parent(closer), _parent(opener))
+
+    closes = set(plan.closed_by.values())
     for parent, kinds in regions.items():
-        if kinds != {"col", "row"}:
+        if kinds == {"row"} and all(n in closes for n in members[parent]):
+            continue  # closes splits opened in a sibling module; its own other modules compute on whole tensors
+        if kinds == {"col"} and all(closed_in_sibling(n) for n in members[parent]):
+            pass  # opened here, closed in a sibling module (the data flow checked that nothing else reads the shards)
+        elif kinds != {"col", "row"}:
             missing = "row-wise (output) projection" if "row" not in kinds else "column-wise (input) projection"
             raise HybridConfigError(
                 f"The tensor-parallel plan splits layers of {parent!r} but has no {missing} there, so its output"

@@ -4,7 +4,8 @@ torch's ``ColwiseParallel``/``RowwiseParallel``/``SequenceParallel``/``PrepareMo
 plan needs. Written here are only the layouts they cannot express: a column-wise split of a *fused* projection
 (q|k|v or gate|up in one Linear), a module that computes on the local shards of its own parameters (transformers'
 ``local_params`` and ``moe_tp_experts``: 3-D expert weights have no ``nn.Linear`` to hook), and a module whose input
-is scaled by the tensor-parallel size.
+is scaled by the tensor-parallel size; and the column- and row-wise split of transformers' ``Conv1D`` (GPT-2), which
+is ``nn.Linear`` with its weight stored transposed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 from types import MethodType
 from typing import Any, Optional, Union
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
@@ -25,15 +27,21 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_hybrid._torch_compat import colwise_input_fn, strided_shard
+from lightning_hybrid._torch_compat import colwise_input_fn, strided_shard, style_output_fn
 from lightning_hybrid.config import HybridConfigError
 
 __all__ = [
+    "Conv1DColwiseParallel",
+    "Conv1DRowwiseParallel",
     "FusedColwiseParallel",
     "GradientSum",
     "LocalShardParallel",
     "ScaleInputParallel",
+    "is_conv1d",
+    "is_projection",
     "parameter_placement",
+    "projection_features",
+    "split_style",
     "style_from_name",
 ]
 
@@ -47,6 +55,98 @@ def _map_tensors(fn: Any, value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _map_tensors(fn, v) for k, v in value.items()}
     return fn(value)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2, GPT, ...): ``x @ weight + bias`` with ``weight`` of shape
+    ``(in_features, out_features)``, i.e. ``nn.Linear`` with its weight transposed. Read by structure (the class name
+    and the ``nf``/``nx`` sizes it keeps), so that the package does not import transformers.
+
+    Example:
+        >>> is_conv1d(nn.Linear(2, 3))
+        False
+    """
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+
+
+def is_projection(module: nn.Module) -> bool:
+    """``nn.Linear`` or transformers' ``Conv1D``: the layers a tensor-parallel plan splits column- or row-wise.
+
+    Example:
+        >>> is_projection(nn.Linear(2, 3)), is_projection(nn.LayerNorm(3))
+        (True, False)
+    """
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def projection_features(module: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``.
+
+    Example:
+        >>> projection_features(nn.Linear(2, 3))
+        (2, 3)
+    """
+    if is_conv1d(module):
+        return int(module.nx), int(module.nf)
+    return module.in_features, module.out_features
+
+
+def _shard_parameters(module: nn.Module, device_mesh: Any, placements: dict[str, Placement], src: Any) -> None:
+    for pname, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, device_mesh, [placements[pname]], src_data_rank=src)
+        module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+def _partition_fn(placements: dict[str, Placement], src: Any) -> Any:
+    """A ``distribute_module`` partition function sharding a module's own parameters by name."""
+    return lambda name, module, device_mesh: _shard_parameters(module, device_mesh, placements, src)
+
+
+class Conv1DColwiseParallel(ColwiseParallel):
+    """torch's ``ColwiseParallel`` for transformers' ``Conv1D``: its weight is ``(in, out)``, so the output features
+    are its dim 1 (``nn.Linear``'s dim 0); the bias is split on its only dim. Inputs and outputs are laid out as for
+    ``nn.Linear`` (torch's own hooks), and the layer's own forward runs on DTensors (``addmm`` of a replicated input
+    and a column-sharded weight is a sharded output, no collective).
+
+    Example:
+        >>> style = Conv1DColwiseParallel()
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        partition = _partition_fn({"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank)
+        return distribute_module(module, device_mesh, partition, colwise_input_fn(self), style_output_fn(self))
+
+
+class Conv1DRowwiseParallel(RowwiseParallel):
+    """torch's ``RowwiseParallel`` for transformers' ``Conv1D``: the weight's input features are its dim 0
+    (``nn.Linear``'s dim 1); the bias is replicated and the partial outputs are summed, as for ``nn.Linear``.
+
+    Example:
+        >>> style = Conv1DRowwiseParallel()
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        partition = _partition_fn({"weight": Shard(0), "bias": Replicate()}, self.src_data_rank)
+        return distribute_module(module, device_mesh, partition, colwise_input_fn(self), style_output_fn(self))
+
+
+def split_style(kind: str, module: nn.Module, **layouts: Any) -> ParallelStyle:
+    """torch's ``ColwiseParallel`` (``kind="colwise"``) or ``RowwiseParallel`` (``"rowwise"``) for ``module``, or
+    their ``Conv1D`` variants where ``module`` is a transformers ``Conv1D``.
+
+    Example:
+        >>> type(split_style("rowwise", nn.Linear(4, 4))).__name__
+        'RowwiseParallel'
+    """
+    conv1d = is_conv1d(module)
+    if kind == "colwise":
+        return (Conv1DColwiseParallel if conv1d else ColwiseParallel)(**layouts)
+    return (Conv1DRowwiseParallel if conv1d else RowwiseParallel)(**layouts)
 
 
 class FusedColwiseParallel(ColwiseParallel):
@@ -68,10 +168,11 @@ class FusedColwiseParallel(ColwiseParallel):
         self.num_blocks = num_blocks
 
     def _partition_fused(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        for pname, param in module.named_parameters():
-            placement = strided_shard(0, self.num_blocks)
-            dist_param = nn.Parameter(distribute_tensor(param, device_mesh, [placement]), param.requires_grad)
-            module.register_parameter(pname, dist_param)
+        # the output features: dim 0 of nn.Linear's weight, dim 1 of Conv1D's (stored transposed); the bias's only dim
+        weight_dim = 1 if is_conv1d(module) else 0
+        placements = {p: strided_shard(weight_dim if p == "weight" else 0, self.num_blocks) for p, _ in
+                      module.named_parameters(recurse=False)}  # fmt: skip
+        _shard_parameters(module, device_mesh, placements, self.src_data_rank)
 
     def _prepare_output(self, mod: nn.Module, outputs: Tensor, device_mesh: Any) -> Any:
         # the local output is already [q_r | k_r | v_r]: no redistribution
@@ -81,25 +182,30 @@ class FusedColwiseParallel(ColwiseParallel):
         return DTensor.from_local(outputs, device_mesh, [placement], run_check=False)
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        if not isinstance(module, nn.Linear):
+        if not is_projection(module):
             raise HybridConfigError(
-                f"FusedColwiseParallel (the 'fused_colwise_<k>' or 'packed_colwise' style) splits nn.Linear layers"
-                f" only, not {type(module).__name__}. Give that module another style in `tensor_parallel_plan`."
+                f"FusedColwiseParallel (the 'fused_colwise_<k>' or 'packed_colwise' style) splits nn.Linear (and"
+                f" transformers' Conv1D) layers only, not {type(module).__name__}. Give that module another style in"
+                " `tensor_parallel_plan`."
             )
         distribute_module(module, device_mesh, self._partition_fused, colwise_input_fn(self), self._prepare_output)
         module.forward = MethodType(_local_linear_forward, module)
         return module
 
 
-def _local_linear_forward(self: nn.Linear, input: Any) -> Tensor:
-    """``nn.Linear.forward`` of a fused column-parallel layer, on local tensors: ``x @ W_r^T + b_r`` is this rank's
-    ``[q_r | k_r | v_r]``. The weight's and bias's gradients come back laid out like them; the input's gradient here
-    is this rank's heads' share only, so it is marked ``Partial`` and the input hook's DTensor sums it over the
-    tensor-parallel ranks in backward (the all-reduce a DTensor matmul would have done)."""
+def _local_linear_forward(self: nn.Module, input: Any) -> Tensor:
+    """``nn.Linear.forward`` (or ``Conv1D.forward``) of a fused column-parallel layer, on local tensors:
+    ``x @ W_r^T + b_r`` is this rank's ``[q_r | k_r | v_r]``. The weight's and bias's gradients come back laid out
+    like them; the input's gradient here is this rank's heads' share only, so it is marked ``Partial`` and the input
+    hook's DTensor sums it over the tensor-parallel ranks in backward (the all-reduce a DTensor matmul would have
+    done)."""
     if isinstance(input, DTensor):
         input = input.to_local(grad_placements=[Partial()] * input.device_mesh.ndim)
     bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
     weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+    if is_conv1d(self):  # Conv1D's own computation, with this rank's output width instead of its `nf`
+        out = torch.addmm(bias, input.reshape(-1, input.size(-1)), weight)
+        return out.view(*input.shape[:-1], weight.shape[1])
     return F.linear(input, weight, bias)
 
 
@@ -232,18 +338,19 @@ def style_from_name(style: str, name: str, module: nn.Module, placements: Option
             f"`tensor_parallel_plan` shards parameters of {name!r} ({', '.join(placements)}) but gives the module"
             f" the style {style!r}: a module whose own parameters are split needs 'local_params' or 'moe_tp_experts'."
         )
-    linear, embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
+    linear, embedding = is_projection(module), isinstance(module, nn.Embedding)
     if style in ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_split_input", "rowwise_rep"):
         if not (linear or embedding):
             raise HybridConfigError(
                 f"`tensor_parallel_plan` gives {name!r} ({type(module).__name__}) the style {style!r}, which splits"
-                " nn.Linear and nn.Embedding layers only. Name the Linear layers inside it instead."
+                " nn.Linear, transformers' Conv1D and nn.Embedding layers only. Name the Linear layers inside it"
+                " instead."
             )
         if style in ("colwise", "rowwise"):
-            return ColwiseParallel() if style == "colwise" else RowwiseParallel()
+            return split_style(style, module)
         if style in ("colwise_rep", "colwise_gather_output"):  # a split closed within the layer: output gathered
-            return ColwiseParallel(output_layouts=Replicate())
-        return RowwiseParallel(input_layouts=Replicate())  # the layer slices its replicated input itself
+            return split_style("colwise", module, output_layouts=Replicate())
+        return split_style("rowwise", module, input_layouts=Replicate())  # the layer slices its replicated input
     if style in ("embedding_rowwise", "vocab_parallel_embedding"):
         return RowwiseParallel(input_layouts=Replicate())
     if style == "embedding_colwise":
