@@ -101,15 +101,16 @@ AUTO_MAX_PARAMETERS = 100_000_000
 full fp32 copy, 0.4 GB, and its gradients, for the first step)."""
 
 
-def check_verify_pipeline(value: Any) -> None:
-    """Refuse anything but ``True``, ``False`` or ``"auto"`` (constructor time, collective-free).
+def check_verify_pipeline(value: Any, name: str = "verify_pipeline") -> None:
+    """Refuse anything but ``True``, ``False`` or ``"auto"`` for ``name`` (``verify_pipeline``,
+    ``verify_tensor_parallel``; constructor time, collective-free).
 
     Example:
         >>> check_verify_pipeline("auto")
     """
     if not (value is True or value is False or value == "auto"):
         raise HybridConfigError(
-            f"`verify_pipeline` must be True, False or 'auto', got {value!r}. 'auto' compares the first batch with an"
+            f"`{name}` must be True, False or 'auto', got {value!r}. 'auto' compares the first batch with an"
             f" unsplit forward when the model has at most {AUTO_MAX_PARAMETERS:,} parameters and trains in fp32."
         )
 
@@ -128,8 +129,13 @@ class TensorParallelOptions:
     (``tensor_parallel_plan``)."""
     vocab_parallel_loss: bool = True
     """Keep the logits sharded over the vocabulary so cross-entropy never gathers them."""
+    verify: Union[bool, str] = "auto"
+    """``verify_tensor_parallel`` (without pipeline parallel; ``verify_pipeline`` covers both together): on the first
+    batch, compare the split model's loss and gradient norm with an unsplit copy on one rank, and refuse the run on
+    a mismatch. ``"auto"``: on for fp32 models of at most 100M parameters."""
 
     def __post_init__(self) -> None:
+        check_verify_pipeline(self.verify, "verify_tensor_parallel")
         if not (self.plan == "auto" or isinstance(self.plan, dict)):
             raise HybridConfigError(
                 f"`tensor_parallel_plan` must be 'auto' or a dict {{module-name pattern: style}}, got {self.plan!r}."
@@ -451,6 +457,7 @@ class StrategyOptions:
         pipeline_partition: Any = "uniform",
         pipeline_network: Optional[str] = None,
         verify_pipeline: Any = "auto",
+        verify_tensor_parallel: Any = "auto",
         zero3_gradient_sync: str = "per_step",
         overlap_grad_reduce: bool = True,
         bucket_cap_mb: float = 25.0,
@@ -472,7 +479,9 @@ class StrategyOptions:
             data_parallel_size=data_parallel_size,
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
-            tensor_parallel=TensorParallelOptions(plan=tensor_parallel_plan, vocab_parallel_loss=vocab_parallel_loss),
+            tensor_parallel=TensorParallelOptions(
+                plan=tensor_parallel_plan, vocab_parallel_loss=vocab_parallel_loss, verify=verify_tensor_parallel
+            ),
             pipeline=PipelineOptions(
                 num_microbatches=num_microbatches,
                 schedule=pipeline_schedule,

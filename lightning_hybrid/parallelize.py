@@ -35,6 +35,7 @@ from lightning_hybrid.tensor_parallel import (
     validate_tensor_parallel_plan,
 )
 from lightning_hybrid.tensor_parallel.failures import explain_forward_failure
+from lightning_hybrid.tensor_parallel.verify import verify_first_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -83,11 +84,19 @@ class Parallelized:
     duplicates: list[nn.Parameter] = field(default_factory=list)
     """Shared parameters this rank does not own: counted once in the global norm, on the owner."""
     verifier: Optional[PipelineVerifier] = None
-    """The first-batch comparison with an unsplit forward (``verify_pipeline``); its ``sync`` is the strategy's."""
+    """The first-batch comparison with an unsplit forward (``verify_pipeline``, or ``verify_tensor_parallel``
+    without a pipeline); its ``sync`` is the strategy's."""
     tensor_parallel_plan: Optional[TensorParallelPlan] = None
     """The plan applied (automatic, declared or a dict; None without tensor parallel or when ``configure_model``
     parallelized the module itself)."""
     tensor_parallel_size: int = 1
+
+    def verify_first_step(self, module: nn.Module, mode: str, args: tuple, kwargs: dict) -> None:
+        """``verify_tensor_parallel`` at the first training step, before the real one (collective; then off)."""
+        verifier, self.verifier = self.verifier, None
+        assert verifier is not None
+        network = module.get_submodule(self.structure.network_name or "")
+        verify_first_step(verifier, module, network, mode, args, kwargs)
 
     @contextmanager
     def explained_failures(self, module: nn.Module) -> Iterator[None]:
@@ -147,6 +156,13 @@ def parallelize(
             validate_tensor_parallel_plan(module, plan, layout.tensor_parallel_size)
     # 2. pipeline parallel: the cut (this rank keeps its stages; the others' blocks become stubs)
     cut = _cut_pipeline(module, structure, layout, mesh, precision) if layout.pipeline_parallel_size > 1 else None
+    tp_verifier = None
+    if cut is None and plan is not None:  # verify_tensor_parallel: the unsplit copy is taken before the split
+        network = module.get_submodule(structure.network_name) if structure.network_name else module
+        tp_verifier = make_verifier(
+            tp_options.verify, module, network, mesh, precision=precision.precision, last_stage_rank=0,
+            option="verify_tensor_parallel",
+        )  # fmt: skip
     # 3. tensor parallel: applied to what this rank holds
     replicated, vocab_head = _apply_tensor_parallel(module, structure, plan, layout, mesh, user_parallelized, cut)
     held_blocks = [n for n in structure.block_names() if not isinstance(module.get_submodule(n), SkippedBlock)]
@@ -159,7 +175,7 @@ def parallelize(
     # 5. ZeRO-3: FSDP2 (ZeRO-1/2 wrap the optimizers instead: sharding/step.py)
     dp_replicated = _fully_shard(module, structure, layout, mesh, precision, held_blocks, cut)
     # 6. the pipeline runner, and the sums of parameters several stages hold
-    runner, shared, verifier = None, None, None
+    runner, shared, verifier = None, None, tp_verifier
     if cut is not None:
         split, network, verifier = cut
         runner = _build_runner(module, network, split, layout, mesh, precision, options.device)

@@ -57,8 +57,11 @@ def run_step(
             results = runner.run(name, *args, *kwargs.values())
             # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank
             return results.log(module.log, data_group)
-        failures = parallelized.explained_failures(module) if parallelized is not None else nullcontext()
-        with plain_logging(module, data_group), failures:
+        explained = parallelized.explained_failures if parallelized is not None else lambda _: nullcontext()
+        if name == "training_step" and parallelized is not None and parallelized.verifier is not None:
+            with explained(module):
+                parallelized.verify_first_step(module, name, args, kwargs)  # verify_tensor_parallel
+        with plain_logging(module, data_group), explained(module):
             output = getattr(module, name)(*args, **kwargs)
     return plain(output)
 

@@ -27,14 +27,36 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"intermediate_size": 64, "num_key_value_heads": 2},
     # families met from outside the zoo (tests/test_outside_models.py): OPT's layer norms sit beside fc1/fc2 in the
     # decoder layer; Falcon's multi-query fused qkv; BLOOM's ALiBi slopes built outside the blocks; Qwen2-MoE's
-    # declared plan names dense-MLP layers that only some layers have
+    # declared plan names dense-MLP layers that only some layers have; GPTBigCode's c_attn (q|k|v interleaved per
+    # head, under a name other families use for three equal blocks)
     "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32, "dropout": 0.0, "attention_dropout": 0.0, "enable_bias": False},
-    "falcon": {"new_decoder_architecture": False, "multi_query": True, "bias": False, "hidden_dropout": 0.0,
-               "attention_dropout": 0.0},
+    "falcon": {
+        "new_decoder_architecture": False,
+        "multi_query": True,
+        "bias": False,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    },
     "bloom": {"n_head": 4, "n_layer": 2, "hidden_dropout": 0.0, "attention_dropout": 0.0},
-    "qwen2_moe": {"intermediate_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
-                  "num_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 2,
-                  "qkv_bias": False},
+    "gpt_bigcode": {
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_inner": 64,
+        "multi_query": False,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
+    "qwen2_moe": {
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "qkv_bias": False,
+    },
 }
 COMMON = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
           "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2,

@@ -27,7 +27,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._hooks import first_tensor, tensors_in
+from lightning_hybrid._hooks import first_tensor, forward_replaced, tensors_in
 from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import to_plain
@@ -186,7 +186,7 @@ class PipelineRunner:
                 verifier.measured = (float(step.losses[0]), norm)
 
                 def run_step(forward: Callable) -> Tensor:
-                    with _forward_replaced(self.network, forward):
+                    with forward_replaced(self.network, forward):
                         out = getattr(self.module, step.mode)(microbatch, *step.extra)
                     out = apply_to_collection(out, DTensor, to_plain)
                     return out if isinstance(out, Tensor) else out["loss"]
@@ -250,7 +250,7 @@ class PipelineRunner:
 
         self._log.sink = step.records[mb]
         try:
-            with _forward_replaced(self.network, network_call):
+            with forward_replaced(self.network, network_call):
                 out = getattr(self.module, step.mode)(step.microbatches[mb], *step.extra)
         finally:
             self._log.sink = None
@@ -405,19 +405,6 @@ class PipelineRunner:
         if outputs is not None:
             outputs = apply_to_collection(outputs, Tensor, lambda t: t.to(self.device))
         return StepResults(outputs, records)
-
-
-@contextmanager
-def _forward_replaced(module: nn.Module, fn: Callable) -> Generator[None, None, None]:
-    """``module``'s calls run ``fn`` meanwhile. The instance dict is written directly: ``nn.Module.__setattr__``
-    checks parameters, buffers and submodules on every call, for a plain function attribute (once per micro-batch
-    here)."""
-    attrs = module.__dict__
-    attrs["forward"] = fn
-    try:
-        yield
-    finally:
-        del attrs["forward"]
 
 
 class _LogCollector:

@@ -240,6 +240,8 @@ class PipelineVerifier:
     """Copies of shared parameters another pipeline rank owns (counted once, on the owner)."""
     measured: Optional[tuple[float, float]] = None
     """(pipelined loss, pipelined gradient norm) of the verified micro-batch, on the reference rank."""
+    option: str = "verify_pipeline"
+    """The argument that turned it on, named in its messages (``verify_tensor_parallel`` without a pipeline)."""
     result: Optional[dict[str, float]] = None
     """What the reference rank compared: ``loss``, ``reference_loss``, ``norm``, ``reference_norm``."""
 
@@ -269,7 +271,7 @@ class PipelineVerifier:
 
             # cannot rebuild the unsplit network: no comparison (the structural checks still ran)
             warnings.warn(
-                f"verify_pipeline: no stage holds {missing[:4]}; the unsplit comparison is skipped.", stacklevel=2
+                f"{self.option}: no rank holds {missing[:4]}; the unsplit comparison is skipped.", stacklevel=2
             )
             self.reference = None
             return
@@ -333,12 +335,20 @@ class PipelineVerifier:
             loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
             norm_err = abs(norm - ref_norm) / max(abs(ref_norm), 1e-12)
             if not (loss_err <= self.tolerance and norm_err <= self.tolerance):
+                pipeline = self.option == "verify_pipeline"
+                cause = (
+                    "The stage cut does not fit this network's forward (a module read on a stage that does not hold"
+                    " it?); train it without pipeline parallel"
+                    if pipeline
+                    else "The tensor-parallel plan does not fit this network's forward (a fused projection whose parts"
+                    " it splits wrong, or a gradient summed where it is whole?); pass `tensor_parallel_plan` as a dict"
+                    " that leaves the doubtful layers replicated, or train it with data or pipeline parallel"
+                )
                 raise HybridConfigError(
-                    "`verify_pipeline`: the pipelined first micro-batch does not match an unsplit forward of the same"
-                    f" network: loss {loss:.6g} vs {ref_loss:.6g} (relative error {loss_err:.1e}), gradient norm"
-                    f" {norm:.6g} vs {ref_norm:.6g} ({norm_err:.1e}); tolerance {self.tolerance:g}. The stage cut does"
-                    " not fit this network's forward (a module read on a stage that does not hold it?); train it"
-                    " without pipeline parallel, or pass `verify_pipeline=False` only if you know why they differ."
+                    f"`{self.option}`: the {'pipelined' if pipeline else 'tensor-parallel'} first micro-batch does not"
+                    f" match an unsplit forward of the same network: loss {loss:.6g} vs {ref_loss:.6g} (relative error"
+                    f" {loss_err:.1e}), gradient norm {norm:.6g} vs {ref_norm:.6g} ({norm_err:.1e}); tolerance"
+                    f" {self.tolerance:g}. {cause}, or pass `{self.option}=False` only if you know why they differ."
                 )
         self.reference = None  # the copy is not needed after the first step
 
@@ -376,6 +386,7 @@ def make_verifier(
     *,
     precision: str,
     last_stage_rank: int,
+    option: str = "verify_pipeline",
 ) -> Optional[PipelineVerifier]:
     """The verifier for ``verify_pipeline=setting``, or None when it is off. Call before the network is cut (the
     reference rank copies it then); ``last_stage_rank`` is the pipeline rank that holds the last stage.
@@ -389,7 +400,7 @@ def make_verifier(
     """
     from torch.distributed.tensor import DTensor
 
-    check_verify_pipeline(setting)
+    check_verify_pipeline(setting, option)
     if setting is False:
         return None
     user_split = any(isinstance(p, DTensor) for p in module.parameters())
@@ -408,4 +419,5 @@ def make_verifier(
         tolerance=TOLERANCES.get(precision, LOW_PRECISION_TOLERANCE),
         reference_rank=reference_rank,
         in_reference_pipeline=coordinates["data"] == 0 and coordinates["tensor"] == 0,
+        option=option,
     )
