@@ -8,7 +8,8 @@
   the attention module and the plan without it;
 - GPTBigCode at tp=2 (not multi-query): its fused ``c_attn`` holds q|k|v interleaved per head, but goes by the name
   GPT-2 and nanoGPT use for three equal blocks; the plan split it as blocks and the run trained wrong in silence
-  (loss 1e-3 off at the first step); ``verify_tensor_parallel`` now refuses it before the first optimizer step;
+  (loss 1e-3 off at the first step). The plan's data-flow check (a trace of ``example_input_array``) now refuses
+  it at set-up; without an example input to trace, ``verify_tensor_parallel`` refuses it at the first step;
 - Qwen2-MoE at tp=2 (sparse layers only): its declared plan also names the dense MLP's layers, which the sparse
   layer lacks; that was refused as a pattern matching nothing, and now trains like one device.
 """
@@ -24,8 +25,10 @@ from tests.conftest import relative_error, share
 from tests.harness import run_reference
 
 
-def _case(family: str, strategy: dict[str, Any], error: str = "") -> dict[str, Any]:
-    return {"name": f"outside-{family}-tp2", "model": f"hf-{family}", "model_kwargs": {}, "dataset": "tokens",
+def _case(family: str, strategy: dict[str, Any], error: str = "", **model_kwargs: Any) -> dict[str, Any]:
+    suffix = "-no-example" if model_kwargs.get("example_input") is False else ""
+    return {"name": f"outside-{family}-tp2{suffix}", "model": f"hf-{family}", "model_kwargs": model_kwargs,
+            "dataset": "tokens",
             "strategy": strategy, "steps": 3, "batch_size": 4, "data_parallel_size": 1, "refusal": error,
             **({"expect_error": True} if error else {})}  # fmt: skip
 
@@ -43,8 +46,15 @@ CASES = [
     _case(
         "gpt_bigcode",
         TP2,
+        r"HybridConfigError: The tensor-parallel plan splits fused projections of"
+        r" 'model.transformer.h.0' .*'model.transformer.h.0.attn.c_attn''s output is reshaped into 4 heads",
+    ),
+    _case(
+        "gpt_bigcode",
+        TP2,
         r"HybridConfigError: `verify_tensor_parallel`: the tensor-parallel first micro-batch does"
         r" not match an unsplit forward of the same network: loss",
+        example_input=False,
     ),
 ]
 share(2, CASES)
@@ -58,7 +68,7 @@ def test_a_family_met_from_outside_trains_like_one_device_or_is_refused(shared_g
         messages = group.expected_errors(case["name"])
         assert len(messages) == 2 and len(set(messages)) == 1, messages
         assert re.match(case["refusal"], messages[0]), messages[0]
-        assert "pass `tensor_parallel_plan` as a dict" in messages[0]
+        assert "tensor_parallel_plan" in messages[0]
         return
     result = group.get(case["name"])
     reference = run_reference({k: v for k, v in case.items() if k not in ("strategy", "refusal")})

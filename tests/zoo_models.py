@@ -82,7 +82,7 @@ class _NextTokenLM(L.LightningModule):
 class HFCausalLM(_NextTokenLM):
     """Any transformers causal LM family from a config, trained from scratch on the test corpus."""
 
-    def __init__(self, family: str, learning_rate: float = 1e-4, **config: Any) -> None:
+    def __init__(self, family: str, learning_rate: float = 1e-4, example_input: bool = True, **config: Any) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -91,7 +91,8 @@ class HFCausalLM(_NextTokenLM):
         kwargs = {**COMMON, **FAMILIES[family], **config}
         config = AutoConfig.for_model(family, **kwargs)
         self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-        self.example_input_array = torch.zeros(2, 16, dtype=torch.long)
+        # without one (example_input=False), nothing can trace the forward before the first batch
+        self.example_input_array = torch.zeros(2, 16, dtype=torch.long) if example_input else None
         if family == "gpt2":
             # GPT-2's fused c_attn bias holds the key bias, whose true gradient is zero (Adam turns its rounding noise
             # into full steps): frozen, so the comparison measures the training, not the noise
