@@ -95,6 +95,8 @@ class Parallelized:
         """``verify_tensor_parallel`` at the first training step, before the real one (collective; then off)."""
         verifier, self.verifier = self.verifier, None
         assert verifier is not None
+        if not getattr(module, "automatic_optimization", True):
+            return  # a manual step calls the optimizers itself: running it twice would step them twice
         network = module.get_submodule(self.structure.network_name or "")
         verify_first_step(verifier, module, network, mode, args, kwargs)
 
