@@ -233,6 +233,8 @@ class NetworkSplit:
     pipeline_rank: int
     input_slots: list[_Slot] = field(default_factory=list)
     output_slots: list[_Slot] = field(default_factory=list)
+    placed: str = ""
+    """How the modules outside the blocks whose call order was not known were given to a stage (for errors)."""
     # what `active` needs per stage, built on first use (a forward action is per micro-batch: keep it cheap)
     _swaps: dict[int, list[tuple[dict, str, nn.Module]]] = field(default_factory=dict, init=False, repr=False)
 
@@ -395,18 +397,37 @@ def _side(order: dict[str, str], name: str) -> Optional[str]:
 def call_order(network: nn.Module, blocks_rel: str, root: Optional[nn.Module] = None) -> dict[str, str]:
     """The side of the block list on which the forward calls the modules outside it (pipeline/order.py): observed in
     a meta forward of ``root``'s ``example_input_array`` where it has one, else declared by a Hugging Face pipeline
-    plan; empty where neither tells (registration order then stands in)."""
+    plan; empty where neither tells (registration order then stands in).
+
+    Example:
+        >>> # call_order(opt_for_causal_lm, "model.decoder.layers", lightning_module)["model.decoder.final_layer_norm"]
+        >>> # 'after'
+    """
+    return _call_order(network, blocks_rel, root)[0]
+
+
+def _call_order(network: nn.Module, blocks_rel: str, root: Optional[nn.Module]) -> tuple[dict[str, str], str]:
+    """:func:`call_order`, and how the modules it does not know are placed, for the errors of the first step."""
     from lightning_hybrid.pipeline.order import declared_order, observed_order
 
-    order = dict(declared_order(network, blocks_rel) or {})
-    observed = None
-    if root is not None:
-        observed = observed_order(root, network, blocks_rel, getattr(root, "example_input_array", None))
+    declared = declared_order(network, blocks_rel)
+    order = dict(declared or {})
+    example = getattr(root, "example_input_array", None) if root is not None else None
+    observed = observed_order(root, network, blocks_rel, example) if root is not None else None
     if observed:
         # what was seen to run overrides what was declared about the same modules
         order = {k: v for k, v in order.items() if not any(n == k or n.startswith(k + ".") for n in observed)}
         order.update(observed)
-    return order
+        return order, "modules the forward did not call on `example_input_array` are placed by registration order"
+    if example is not None:
+        why = "the forward on `example_input_array` could not run on meta tensors (it reads values)"
+    else:
+        why = "the LightningModule has no `example_input_array` to show the forward's call order"
+    if declared:
+        return order, f"{why}; modules its Hugging Face pipeline plan (`_pp_plan`) does not name are placed by" + (
+            " registration order"
+        )
+    return order, f"{why}, so modules are placed by registration order"
 
 
 def check_one_block_list(network: nn.Module, blocks_rel: str) -> None:
@@ -441,8 +462,9 @@ def split_network(
     blocks = network.get_submodule(blocks_rel)
     assert isinstance(blocks, (nn.ModuleList, nn.Sequential))
     check_one_block_list(network, blocks_rel)
-    inputs, outputs = io_slots(network, blocks_rel, call_order(network, blocks_rel, root))
-    split = NetworkSplit(network, blocks, plan, pipeline_rank, inputs, outputs)
+    order, placed = _call_order(network, blocks_rel, root)
+    inputs, outputs = io_slots(network, blocks_rel, order)
+    split = NetworkSplit(network, blocks, plan, pipeline_rank, inputs, outputs, placed=placed)
     mine = split.local_stages()
     held = {i for s in mine for i in plan.blocks(s)}
     for i in range(len(blocks)):
