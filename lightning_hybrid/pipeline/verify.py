@@ -1,7 +1,7 @@
 """No silent wrong pipeline: the checks of the first training step, and ``verify_pipeline``.
 
 The stage cut (pipeline/stage.py) replays the network's own ``forward`` with stand-ins for what other stages hold. A
-forward that does not fit the cut (a module registered on one side of the block list and called on the other, a
+forward that does not fit the cut (a module placed on one side of the block list and called on the other, a
 hidden state the first block does not take first) would train wrong without an error. Two safeguards catch it before
 the first optimizer step, and every rank raises the same :class:`HybridConfigError`:
 
