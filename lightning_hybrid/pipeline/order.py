@@ -70,9 +70,9 @@ def observed_order(root: nn.Module, network: nn.Module, blocks_rel: str, example
 
     handles = [first.register_forward_pre_hook(enter, prepend=True), last.register_forward_hook(leave)]
     handles += [m.register_forward_pre_hook(record(n)) for n, m in network.named_modules() if _outside(n, blocks_rel)]
-    # tied weights once (functional_call ties names of one tensor); the real tensors are untouched and put back
-    meta = {n: torch.empty_like(t, device="meta") for n, t in [*root.named_parameters(), *root.named_buffers()]}
     try:
+        # tied weights once (functional_call ties names of one tensor); the real tensors are untouched and put back
+        meta = {n: torch.empty_like(t, device="meta") for n, t in [*root.named_parameters(), *root.named_buffers()]}
         with torch.no_grad():
             torch.func.functional_call(root, meta, _to_meta(example), strict=False)
     except Exception:  # a forward that reads values cannot run on meta tensors: no observation
