@@ -124,7 +124,7 @@ def other_block_lists(root: nn.Module, blocks_name: str) -> list[str]:
         ...     def __init__(self):
         ...         super().__init__()
         ...         self.encoder = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        ...         self.decoder = nn.ModuleList(nn.Bilinear(8, 8, 8) for _ in range(2))
+        ...         self.decoder = nn.ModuleList(nn.Linear(8, 16) for _ in range(2))
         >>> other_block_lists(EncoderDecoder(), "decoder")
         ['encoder']
     """
