@@ -74,7 +74,8 @@ def observed_order(root: nn.Module, network: nn.Module, blocks_rel: str, example
         # tied weights once (functional_call ties names of one tensor); the real tensors are untouched and put back
         meta = {n: torch.empty_like(t, device="meta") for n, t in [*root.named_parameters(), *root.named_buffers()]}
         with torch.no_grad():
-            torch.func.functional_call(root, meta, _to_meta(example), strict=False)
+            args, kwargs = _to_meta(example)
+            torch.func.functional_call(root, meta, args, kwargs, strict=False)
     except Exception:  # a forward that reads values cannot run on meta tensors: no observation
         return None
     finally:
@@ -85,13 +86,17 @@ def observed_order(root: nn.Module, network: nn.Module, blocks_rel: str, example
     return {name: sides.pop() if len(sides) == 1 else BOTH for name, sides in seen.items()}
 
 
-def _to_meta(example: Any) -> tuple:
-    """``example_input_array`` as the positional arguments of ``forward`` (Lightning's convention: a tuple is the
-    arguments, anything else the only one), every tensor on meta."""
+def _to_meta(example: Any) -> tuple[tuple, dict]:
+    """``example_input_array`` as the arguments of ``forward``, as Lightning passes it (a tuple or list: the
+    positional arguments; a dict: the keyword arguments; anything else: the only argument), every tensor on meta."""
     from lightning_utilities.core.apply_func import apply_to_collection
 
     moved = apply_to_collection(example, torch.Tensor, lambda t: torch.empty_like(t, device="meta"))
-    return moved if isinstance(moved, tuple) else (moved,)
+    if isinstance(moved, (tuple, list)):
+        return tuple(moved), {}
+    if isinstance(moved, dict):
+        return (), dict(moved)
+    return (moved,), {}
 
 
 def declared_order(network: nn.Module, blocks_rel: str) -> Optional[Order]:
