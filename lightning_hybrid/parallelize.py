@@ -335,7 +335,7 @@ def _cut_pipeline(
             precision=precision.precision,
             last_stage_rank=stage_plan.owner[-1],
         )
-        split = split_network(network, blocks_rel, stage_plan, pipeline_rank)
+        split = split_network(network, blocks_rel, stage_plan, pipeline_rank, root=module)
     unit = "seconds" if partition == "profile" else "params"
     rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(unit))
     return split, network, verifier

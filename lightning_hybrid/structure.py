@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_hybrid.config import HybridConfigError
 
-__all__ = ["ModelStructure", "block_list_needed_by", "find_model_structure"]
+__all__ = ["ModelStructure", "block_list_needed_by", "find_model_structure", "other_block_lists"]
 
 
 @dataclass
@@ -110,6 +110,32 @@ def _block_lists(root: nn.Module) -> list[tuple[int, str, nn.Module]]:
         size = _num_params(module)
         if size > 0:
             found.append((size, name, module))
+    return found
+
+
+def other_block_lists(root: nn.Module, blocks_name: str) -> list[str]:
+    """The block lists of ``root`` beside ``blocks_name``: each an nn.ModuleList/nn.Sequential of same-type modules,
+    outside it (and not around it), whose blocks hold at least a quarter of the parameters of one of its blocks (an
+    encoder-decoder's encoder beside its decoder; not a stem of small layers or a list of heads), outermost only.
+
+    Example:
+        >>> from torch import nn
+        >>> class EncoderDecoder(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.encoder = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        ...         self.decoder = nn.ModuleList(nn.Linear(8, 16) for _ in range(2))
+        >>> other_block_lists(EncoderDecoder(), "decoder")
+        ['encoder']
+    """
+    chosen = root.get_submodule(blocks_name)
+    per_block = _num_params(chosen) / max(len(chosen), 1)
+    found: list[str] = []
+    for size, name, module in sorted(_block_lists(root), key=lambda c: len(c[1].split("."))):
+        if not name or _inside(name, blocks_name) or _inside(blocks_name, name) or any(_inside(name, f) for f in found):
+            continue
+        if size / len(module) >= per_block / 4:
+            found.append(name)
     return found
 
 

@@ -18,7 +18,8 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
     tensor-parallel plan takes as the output head: the tied head stays whole while the embedding is split.
     ``nanogpt_rank_marker``: the nanoGPT example plus a persistent buffer that holds each rank's global rank, so two
     ranks hold different values under one checkpoint key. Two whose forward does not fit the stage cut:
-    ``late_norm_gpt`` registers ``ln_f`` before the block list and calls it after; ``positions_again_gpt`` reads the
+    ``late_norm_gpt`` registers ``ln_f`` before the block list and calls it after, and gives no
+    ``example_input_array`` (which would show the call order); ``positions_again_gpt`` reads the
     position embedding's output again after the blocks (the last stage only has a zero stand-in for it, and every
     structural check passes). None for other names."""
     from examples.nanogpt import GPT, NanoGPT
@@ -77,6 +78,8 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.model = LateNormGPT(self.model.config)
+            # no example to show the call order: the cut follows registration order, and the first step refuses it
+            self.example_input_array = None
 
     class PositionsAgainGPT(GPT):
         def forward(self, idx: Tensor) -> Tensor:

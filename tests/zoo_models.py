@@ -179,7 +179,10 @@ class TorchEncoderLM(_NextTokenLM):
 
 
 def build_zoo_module(model: str, **kwargs: Any) -> Optional[L.LightningModule]:
-    """``"hf-<family>"``, ``"hf-bert"``, ``"hf-vit"`` or ``"torch-encoder"`` -> the module; ``None`` for other names."""
+    """``"hf-<family>"``, ``"hf-bert"``, ``"hf-vit"``, ``"hf-seq2seq-<family>"`` or ``"torch-encoder"`` -> the module;
+    ``None`` for other names."""
+    if model.startswith("hf-seq2seq-"):
+        return HFSeq2SeqLM(model[len("hf-seq2seq-") :], **kwargs)
     if model == "torch-encoder":
         return TorchEncoderLM(**kwargs)
     if model == "hf-vit":
@@ -189,3 +192,30 @@ def build_zoo_module(model: str, **kwargs: Any) -> Optional[L.LightningModule]:
     if not model.startswith("hf-"):
         return None
     return HFCausalLM(model[3:], **kwargs)
+
+
+# encoder-decoder families (tests/test_pipeline_cuts.py): two block lists, the encoder's and the decoder's
+SEQ2SEQ: dict[str, dict[str, Any]] = {
+    "t5": {"vocab_size": 128, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4,
+           "dropout_rate": 0.0, "decoder_start_token_id": 0, "pad_token_id": 0},
+    "bart": {"vocab_size": 128, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+             "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "max_position_embeddings": 64,
+             "dropout": 0.0, "attention_dropout": 0.0},
+}  # fmt: skip
+
+
+class HFSeq2SeqLM(_NextTokenLM):
+    """An encoder-decoder (``t5``, ``bart``) whose decoder reads the same tokens the encoder does, trained on the
+    next-token targets."""
+
+    def __init__(self, family: str = "t5", learning_rate: float = 1e-4, **config: Any) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+        self.learning_rate = learning_rate
+        config = AutoConfig.for_model(family, **{**SEQ2SEQ[family], **config})
+        self.model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="eager")
+        self.example_input_array = torch.zeros(2, 16, dtype=torch.long)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, decoder_input_ids=input_ids).logits

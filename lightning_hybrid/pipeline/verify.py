@@ -1,7 +1,7 @@
 """No silent wrong pipeline: the checks of the first training step, and ``verify_pipeline``.
 
 The stage cut (pipeline/stage.py) replays the network's own ``forward`` with stand-ins for what other stages hold. A
-forward that does not fit the cut (a module registered on one side of the block list and called on the other, a
+forward that does not fit the cut (a module placed on one side of the block list and called on the other, a
 hidden state the first block does not take first) would train wrong without an error. Two safeguards catch it before
 the first optimizer step, and every rank raises the same :class:`HybridConfigError`:
 
@@ -140,7 +140,7 @@ class FirstStepChecks:
             self.failures.append(
                 f"pipeline stage {stage} (the last): the loss does not depend on the activation received from stage"
                 f" {stage - 1}. A module the loss goes through after the block list is a stand-in on this stage"
-                " (registered before the block list but called after it?), or the block list's hidden state is not"
+                " (placed before the block list but called after it?), or the block list's hidden state is not"
                 f" the first tensor input of `{first}`."
             )
         else:
@@ -166,16 +166,21 @@ class FirstStepChecks:
                 self.failures.append(
                     f"pipeline stage {stage} holds {len(missing)} parameter(s) that got no gradient at the first step:"
                     f" {shown}. The stage runs the network's forward only between its blocks (the first stage also"
-                    " before them, the last also after them): a module registered before the block list"
+                    " before them, the last also after them): a module placed before the block list"
                     f" `{self._blocks_name()}` but called after it, or the other way round, is cut onto the wrong"
-                    " stage. If the parameters are unused on one device too, set `requires_grad=False` on them."
+                    f" stage{self._placed()}. If the parameters are unused on one device too, set `requires_grad=False`"
+                    " on them."
                 )
         for stage, late in sorted(self._late.items()):
             self.failures.append(
                 f"pipeline stage {stage}: the forward called {sorted(late)} after the stage's first block, but they"
-                f" are registered before the block list `{self._blocks_name()}`, so the first stage holds them and"
-                " this stage ran a zero stand-in in their place."
+                f" were placed before the block list `{self._blocks_name()}`{self._placed()}, so the first stage"
+                " holds them and this stage ran a zero stand-in in their place."
             )
+
+    def _placed(self) -> str:
+        """How the cut placed modules whose call order it did not know (pipeline/stage.py ``call_order``)."""
+        return f" ({self.split.placed})" if self.split.placed else ""
 
     def _blocks_name(self) -> str:
         return self._module_names().get(id(self.split.blocks), "blocks")
@@ -199,8 +204,9 @@ class FirstStepChecks:
             raise HybridConfigError(
                 "The pipeline cut does not fit this network's forward, which would train wrong: "
                 + " ".join(failures)
-                + " Train it without pipeline parallel, or register the modules on the side of the block list where"
-                " the forward calls them."
+                + " Train it without pipeline parallel, give the LightningModule an `example_input_array` on which"
+                " its forward runs with meta tensors (the cut then follows the order in which the forward calls the"
+                " modules), or register the modules on the side of the block list where the forward calls them."
             ) from (self.errors[0] if self.errors else None)
 
     def failed(self, stage: int, error: BaseException) -> None:

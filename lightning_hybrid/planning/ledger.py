@@ -209,7 +209,7 @@ def predict_model_state_bytes(
                 structure.num_blocks, p, virtual_pipeline_size, pipeline_partition,
                 owner_style="v" if pipeline_schedule == "zbv_zero_bubble" else "loop",
             )  # fmt: skip
-            split_network(network, structure.blocks_name[len(prefix) :], stage_plan, pr)
+            split_network(network, structure.blocks_name[len(prefix) :], stage_plan, pr, root=held)
         names = {id(q): n for n, q in held.named_parameters()}
         modules = dict(held.named_modules())
         with torch.device("meta"):
