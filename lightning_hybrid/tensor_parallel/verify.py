@@ -12,12 +12,13 @@ dropped: the real step follows unchanged. The machinery is the pipeline's (``pip
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._hooks import forward_replaced
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.pipeline.verify import PipelineVerifier
 
@@ -41,25 +42,58 @@ def verify_first_step(
     verifier.refresh(network)  # a checkpoint resumed since set-up changed the weights
     batch = verifier.common_microbatch(args[0])
     rest = args[1:]
+    network_name = next(n for n, m in module.named_modules() if m is network)
+    with _log_muted(module), verifier.deterministic(module, verifier.reference):
+        loss = _loss(getattr(module, mode)(batch, *rest, **kwargs))
+        loss.backward()
+        norm = verifier.gradient_norm(module)
+        for p in module.parameters():
+            p.grad = None
+        reference = None
+        if verifier.reference is not None:
+            verifier.reference.to(loss.device)  # copied at set-up, before the model moved to its device
+            verifier.measured = (float(loss.detach()), norm)
+
+            def run_step(forward: Any) -> Tensor:
+                copy = verifier.reference
+                if network is module:  # the copy is the whole LightningModule: its own step runs
+                    with _log_muted(copy):
+                        return _loss(getattr(copy, mode)(batch, *rest, **kwargs))
+                # the copy takes the network's place in its parent (not just its forward): the network's own
+                # hooks (FSDP2's all-gathers under ZeRO-3) must not run on this rank alone
+                with _swapped(module, network_name, copy):
+                    return _loss(getattr(module, mode)(batch, *rest, **kwargs))
+
+            reference = verifier.reference_values(run_step, module, network)
+        verifier.compare(reference)
+
+
+@contextmanager
+def _log_muted(module: nn.Module) -> Iterator[None]:
+    """The check's values are not the run's: ``self.log`` does nothing meanwhile."""
     attrs = module.__dict__
-    attrs["log"] = lambda *a, **k: None  # the check's values are not the run's: nothing is logged
+    previous = attrs.get("log", _MISSING)
+    attrs["log"] = lambda *args, **kwargs: None
     try:
-        with verifier.deterministic(module, verifier.reference):
-            loss = _loss(getattr(module, mode)(batch, *rest, **kwargs))
-            loss.backward()
-            norm = verifier.gradient_norm(module)
-            for p in module.parameters():
-                p.grad = None
-            reference = None
-            if verifier.reference is not None:
-                verifier.reference.to(loss.device)  # copied at set-up, before the model moved to its device
-                verifier.measured = (float(loss.detach()), norm)
-
-                def run_step(forward: Any) -> Tensor:
-                    with forward_replaced(network, forward):
-                        return _loss(getattr(module, mode)(batch, *rest, **kwargs))
-
-                reference = verifier.reference_values(run_step, module, network)
-            verifier.compare(reference)
+        yield
     finally:
-        del attrs["log"]
+        if previous is _MISSING:
+            del attrs["log"]
+        else:
+            attrs["log"] = previous
+
+
+@contextmanager
+def _swapped(module: nn.Module, name: str, replacement: nn.Module) -> Iterator[None]:
+    """``replacement`` stands at ``name`` in ``module`` meanwhile."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = module.get_submodule(parent_name)
+    original = getattr(parent, leaf)
+    setattr(parent, leaf, replacement)
+    try:
+        yield
+    finally:
+        setattr(parent, leaf, original)
+
+
+_MISSING = object()
