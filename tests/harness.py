@@ -207,3 +207,29 @@ def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
         "params": full_parameters(module),
         "norms": recorder.norms,
     }
+
+
+def check_trained_or_refused(group: Any, case: dict[str, Any], world: int, tolerance: float = 1e-5) -> list[str]:
+    """A shared-launch scenario with a ``refusal`` pattern: every rank raised the same error matching it (returned);
+    without one: its per-step losses, final parameters and first-step gradients match one device within
+    ``tolerance`` (relative), and an empty list is returned."""
+    import re
+
+    from tests.conftest import relative_error
+
+    if case["refusal"]:
+        messages = group.expected_errors(case["name"])
+        assert len(messages) == world and len(set(messages)) == 1, messages
+        assert re.match(case["refusal"], messages[0]), messages[0]
+        return messages
+    result = group.get(case["name"])
+    reference = run_reference({k: v for k, v in case.items() if k not in ("strategy", "refusal")})
+    assert len(result["losses"]) == len(reference["losses"]) == case["steps"]
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
+        assert abs(got - want) / abs(want) <= tolerance, f"step {step}: loss {got} vs one device {want}"
+    for kind in ("params", "grads"):  # final parameters, first-step gradients (gathered over the shards)
+        assert result[kind].keys() == reference[kind].keys(), kind
+        for name, want in reference[kind].items():
+            err = relative_error(result[kind][name], want)
+            assert err <= tolerance, f"{kind} {name}: relative error {err:.2e}"
+    return []

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
@@ -20,8 +19,8 @@ from torch import nn
 from lightning_hybrid import HybridConfigError
 from lightning_hybrid.pipeline import partition_blocks, split_network
 from lightning_hybrid.pipeline.stage import InputStub, OutputStub, io_slots
-from tests.conftest import relative_error, share
-from tests.harness import run_reference
+from tests.conftest import share
+from tests.harness import check_trained_or_refused
 
 TOL = 1e-5
 PP2 = {"pipeline_parallel_size": 2}
@@ -49,22 +48,7 @@ share(2, CASES)
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_a_forward_cut_in_its_call_order_trains_like_one_device_or_is_refused(shared_groups, case: dict) -> None:
-    group = shared_groups(2)
-    if case["refusal"]:
-        messages = group.expected_errors(case["name"])
-        assert len(messages) == 2 and len(set(messages)) == 1, messages
-        assert re.match(case["refusal"], messages[0]), messages[0]
-        return
-    result = group.get(case["name"])
-    reference = run_reference({k: v for k, v in case.items() if k not in ("strategy", "refusal")})
-    assert len(result["losses"]) == len(reference["losses"]) == case["steps"]
-    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
-        assert abs(got - want) / abs(want) <= TOL, f"step {step}: loss {got} vs one device {want}"
-    for kind in ("params", "grads"):  # final parameters, first-step gradients
-        assert result[kind].keys() == reference[kind].keys(), kind
-        for name, want in reference[kind].items():
-            err = relative_error(result[kind][name], want)
-            assert err <= TOL, f"{kind} {name}: relative error {err:.2e}"
+    check_trained_or_refused(shared_groups(2), case, world=2, tolerance=TOL)
 
 
 class _NormFirst(nn.Module):
