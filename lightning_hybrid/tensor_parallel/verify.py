@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.dtensor import to_plain
@@ -45,7 +47,7 @@ def verify_first_step(
     network_name = next(n for n, m in module.named_modules() if m is network)
     with _log_muted(module), verifier.deterministic(module, verifier.reference):
         loss = _loss(getattr(module, mode)(batch, *rest, **kwargs))
-        loss.backward()
+        _gradients(module, loss)
         norm = verifier.gradient_norm(module)
         for p in module.parameters():
             p.grad = None
@@ -66,6 +68,18 @@ def verify_first_step(
 
             reference = verifier.reference_values(run_step, module, network)
         verifier.compare(reference)
+
+
+def _gradients(module: nn.Module, loss: Tensor) -> None:
+    """``p.grad`` of every parameter for ``loss``, kept out of the gradient buckets (ZeRO-2 moves a gradient into its
+    shard as it accumulates, which the check must not feed): taken by ``autograd.grad`` and set by hand. Under ZeRO-3
+    FSDP2 itself reduce-scatters what backward accumulates, so there the backward pass runs as usual."""
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        loss.backward()
+        return
+    params = [p for p in {id(p): p for p in module.parameters()}.values() if p.requires_grad]
+    for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+        p.grad = g
 
 
 @contextmanager
