@@ -97,6 +97,13 @@ def comparisons(device: str = "cpu") -> list[dict[str, Any]]:
         {"name": "tp2", "a": hybrid(tensor_parallel_size=2, zero_stage=0), "b": {"kind": "model_parallel_tp"},
          "target": LIGHTNING_TARGET, "layout": "tp=2, automatic plan",
          "reference": "ModelParallelStrategy, TP plan by hand"},
+        # compile=True against the same layout eager: the first step (the compile itself) is never timed, and later
+        # rounds reuse the process's compiled graphs; the target is not being slower than eager beyond noise
+        {"name": "dp2_zero1_compile", "a": hybrid(zero_stage=1, compile=True), "b": hybrid(zero_stage=1),
+         "target": PLAIN_TARGET, "layout": "dp=2, ZeRO-1, compile=True", "reference": "the same, compile=False"},
+        {"name": "tp2_compile", "a": hybrid(tensor_parallel_size=2, zero_stage=0, compile=True),
+         "b": hybrid(tensor_parallel_size=2, zero_stage=0), "target": PLAIN_TARGET,
+         "layout": "tp=2, automatic plan, compile=True", "reference": "the same, compile=False"},
     ]  # fmt: skip
     if device == "cuda":
         for c in out:

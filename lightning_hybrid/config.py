@@ -23,6 +23,7 @@ __all__ = [
     "StrategyOptions",
     "ZeroOptions",
     "check_auto_layout",
+    "check_compile",
     "check_partition",
     "check_sizes",
 ]
@@ -384,6 +385,30 @@ class ParallelLayout:
                 **self.recorded_options()}  # fmt: skip
 
 
+def check_compile(value: Any, request: LayoutRequest) -> None:
+    """``compile`` is True or False, and not with a zero-bubble pipeline schedule (constructor time,
+    collective-free, so every rank refuses alike).
+
+    Example:
+        >>> check_compile(True, LayoutRequest())
+    """
+    if not isinstance(value, bool):
+        raise HybridConfigError(
+            f"`compile` must be True or False, got {value!r}. True compiles each transformer block with"
+            " torch.compile (docs/compile.md)."
+        )
+    schedule = request.pipeline.schedule
+    if value and schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):
+        # these schedules split each stage's backward into an input-gradient pass that keeps the graph and a later
+        # weight-gradient pass; a compiled block's backward is one node that runs once and frees its buffers
+        raise HybridConfigError(
+            f"`compile=True` cannot run with `pipeline_schedule={schedule!r}`: the zero-bubble schedules run each"
+            " block's backward in two passes (input gradients, then weight gradients), and a compiled block's"
+            " backward runs as one. Use `pipeline_schedule='interleaved_1f1b'` (or '1f1b'/'gpipe') with compile,"
+            " or `compile=False`."
+        )
+
+
 _DEFAULT_SIZES = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": "auto", "zero_stage": 1}
 
 
@@ -426,6 +451,8 @@ class StrategyOptions:
     """Recompute each transformer block in the backward pass instead of storing it."""
     transformer_blocks: Optional[str] = None
     """Name of the repeated block list when it cannot be found automatically."""
+    compile: bool = False
+    """``torch.compile`` each transformer block in place, once per block type (``lightning_hybrid/compile.py``)."""
     process_group_backend: Optional[str] = None
     """The backend asked for; None: ``"nccl"`` on CUDA, ``"gloo"`` on CPU."""
     health_checks: Any = True
@@ -451,6 +478,7 @@ class StrategyOptions:
         activation_checkpointing: bool = False,
         vocab_parallel_loss: bool = True,
         transformer_blocks: Optional[str] = None,
+        compile: bool = False,
         num_microbatches: Optional[int] = None,
         pipeline_schedule: str = "1f1b",
         virtual_pipeline_size: int = 1,
@@ -498,11 +526,13 @@ class StrategyOptions:
             ),
         )
         check_auto_layout(layout, vars(request), num_microbatches)
+        check_compile(compile, request)
         return cls(
             request=request,
             checkpoint=CheckpointOptions(asynchronous=async_checkpoint, verify=checkpoint_verify),
             activation_checkpointing=activation_checkpointing,
             transformer_blocks=transformer_blocks,
+            compile=compile,
             process_group_backend=process_group_backend,
             health_checks=health_checks,
             monitor=monitor,

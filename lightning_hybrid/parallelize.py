@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.agreement import computed_on_one_rank, raise_together
+from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
 from lightning_hybrid.config import HybridConfigError, ParallelLayout
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
 from lightning_hybrid.pipeline.profile import stage_costs
@@ -61,6 +62,8 @@ class ModelOptions:
     """Recompute each transformer block in the backward pass."""
     transformer_blocks: Optional[str] = None
     """Name of the repeated block list when it cannot be found automatically."""
+    compile: bool = False
+    """``torch.compile`` each block this rank holds (``compile.py``)."""
     layer_sync: Any = None
     """``Trainer(sync_batchnorm=True)``'s plugin (SyncBatchNorm over the data-parallel group), or None."""
 
@@ -147,7 +150,7 @@ def parallelize(
         activation_checkpointing=options.activation_checkpointing,
         tensor_parallel_auto_plan=auto_plan,
         sequence_parallel=layout.sequence_parallel,
-    )
+    ) + compile_needs_blocks(options.compile)
     plan = None
     with raise_together():  # planning is collective-free: a failure on any rank is raised on all of them
         sync_batch_norm(module, options.layer_sync, data_group, options.device.type)
@@ -177,6 +180,9 @@ def parallelize(
         from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(module, held_blocks)
+    # 4b. compile each block, after tensor parallel and checkpointing, before ZeRO-3 wraps it (as torchtitan does)
+    if options.compile:
+        compile_blocks(module, held_blocks)
     # 5. ZeRO-3: FSDP2 (ZeRO-1/2 wrap the optimizers instead: sharding/step.py)
     dp_replicated = _fully_shard(module, structure, layout, mesh, precision, held_blocks, cut)
     # 6. the pipeline runner, and the sums of parameters several stages hold

@@ -98,6 +98,9 @@ class HybridStrategy(ParallelStrategy):
             (docs/offload.md).
         layout: ``"auto"``: use the planner's best feasible layout for the world size and device memory.
         device_memory: GB per device for ``layout="auto"`` on CPU (on CUDA the device's total memory is used).
+        compile: ``torch.compile`` each transformer block in place (regional compilation: one compiled graph per
+            block type, reused by every block), after tensor parallel and activation checkpointing, before ZeRO-3
+            (docs/compile.md).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -138,6 +141,7 @@ class HybridStrategy(ParallelStrategy):
         offload_optimizer: bool = False,
         layout: Optional[Literal["auto"]] = None,
         device_memory: Optional[float] = None,
+        compile: bool = False,
         **kwargs: Any,
     ) -> None:
         # checked now (config.py): every rank runs the constructor, so all raise alike, before any collective exists
@@ -253,6 +257,7 @@ class HybridStrategy(ParallelStrategy):
                 device=self.root_device,
                 activation_checkpointing=self._options.activation_checkpointing,
                 transformer_blocks=self._options.transformer_blocks,
+                compile=self._options.compile,
                 layer_sync=compat.layer_sync(self),
             )
             self.parallelized = parallelize(module, self.layout, self.device_mesh, options, self.precision_plugin)
