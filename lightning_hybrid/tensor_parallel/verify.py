@@ -45,7 +45,12 @@ def verify_first_step(
     batch = verifier.common_microbatch(args[0])
     rest = args[1:]
     network_name = next(n for n, m in module.named_modules() if m is network)
-    with _log_muted(module), verifier.deterministic(module, verifier.reference):
+    # eager, also with compile=True: the check is about the plan, and a compiled block would compile again for eval
+    with (
+        _log_muted(module),
+        verifier.deterministic(module, verifier.reference),
+        torch.compiler.set_stance("force_eager"),
+    ):
         loss = _loss(getattr(module, mode)(batch, *rest, **kwargs))
         _gradients(module, loss)
         norm = verifier.gradient_norm(module)
