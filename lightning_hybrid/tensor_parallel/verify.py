@@ -3,75 +3,85 @@ copy of the network on one rank.
 
 A plan can split a layer in a way the forward does not expect and still run: a fused q|k|v interleaved per head
 (GPTBigCode's ``c_attn``) split as three equal blocks gives every head the wrong parts, and the loss just comes out
-wrong. Before the first optimizer step, every rank runs the first replica's batch once more in eval mode (no dropout,
-the random state put back, nothing logged), and the reference rank (global rank 0) compares the loss and the
-gradient norm (the tensor-parallel sums done, counting each element once) with the same step on its unsplit copy;
-every rank raises the same :class:`~lightning_hybrid.HybridConfigError` on a mismatch. The gradients of the check are
-dropped: the real step follows unchanged. The machinery is the pipeline's (``pipeline/verify.py``).
+wrong. Before the first optimizer step, every rank runs the user's step on the first replica's batch up to its call of
+the network, in eval mode (no dropout, the random state put back, nothing logged), and the network once on those
+inputs; the reference rank (global rank 0) compares a fixed random projection of the output and its gradient norm
+(the tensor-parallel sums done, counting each element once) with the same on its unsplit copy; every rank raises
+the same :class:`~lightning_hybrid.HybridConfigError` on a mismatch. Nothing the step does after the network runs
+(metrics, logging) is touched, and the gradients of the check are dropped: the real step follows unchanged. The
+machinery is the pipeline's (``pipeline/verify.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_hybrid._hooks import tensors_in
 from lightning_hybrid.dtensor import to_plain
+from lightning_hybrid.pipeline.step import capture_call
 from lightning_hybrid.pipeline.verify import PipelineVerifier
 
 __all__ = ["verify_first_step"]
 
 
-def _loss(output: Any) -> Tensor:
-    loss = output if isinstance(output, Tensor) else output["loss"]
-    return to_plain(loss) if isinstance(loss, DTensor) else loss
+def _projection(output: Any) -> Optional[Tensor]:
+    """A scalar of the network's output that sees every element: each floating output tensor (made whole) against
+    fixed random weights of its shape, the same on every rank and for the copy."""
+    total: Optional[Tensor] = None
+    for i, t in enumerate(tensors_in(output)):
+        t = to_plain(t) if isinstance(t, DTensor) else t
+        if not t.is_floating_point():
+            continue
+        weights = torch.randn(tuple(t.shape), generator=torch.Generator().manual_seed(i)).to(t.device)
+        term = (t.float() * weights).sum()
+        total = term if total is None else total + term
+    return total
 
 
 def verify_first_step(
     verifier: PipelineVerifier, module: nn.Module, network: nn.Module, mode: str, args: tuple, kwargs: dict
 ) -> None:
-    """Check the step ``mode`` of ``module`` on ``args`` against the unsplit copy (collective: every rank, at the
-    first training step, before the real one).
+    """Check the network of ``module`` on the inputs its step ``mode`` gives it for ``args`` against the unsplit
+    copy (collective: every rank, at the first training step, before the real one). The user's step runs only up to
+    its call of the network (metrics it updates afterwards, and its logging, are not touched); compared are a fixed
+    random projection of the network's output and its gradient norm.
 
     Example:
         >>> # verify_first_step(parallelized.verifier, module, network, "training_step", (batch, 0), {})
     """
     verifier.refresh(network)  # a checkpoint resumed since set-up changed the weights
     batch = verifier.common_microbatch(args[0])
-    rest = args[1:]
-    network_name = next(n for n, m in module.named_modules() if m is network)
     # eager, also with compile=True: the check is about the plan, and a compiled block would compile again for eval
     with (
         _log_muted(module),
         verifier.deterministic(module, verifier.reference),
         torch.compiler.set_stance("force_eager"),
     ):
-        loss = _loss(getattr(module, mode)(batch, *rest, **kwargs))
-        _gradients(module, loss)
+        captured = capture_call(network, lambda: getattr(module, mode)(batch, *args[1:], **kwargs))
+        value = _projection(network(*captured[0], **captured[1])) if captured is not None else None
+        if value is None:  # the step calls no network, or it returns no floating tensor: nothing to compare (alike)
+            return
+        _gradients(module, value)
         norm = verifier.gradient_norm(module)
         for p in module.parameters():
             p.grad = None
         reference = None
         if verifier.reference is not None:
-            verifier.reference.to(loss.device)  # copied at set-up, before the model moved to its device
-            verifier.measured = (float(loss.detach()), norm)
-
-            def run_step(forward: Any) -> Tensor:
-                copy = verifier.reference
-                if network is module:  # the copy is the whole LightningModule: its own step runs
-                    with _log_muted(copy):
-                        return _loss(getattr(copy, mode)(batch, *rest, **kwargs))
-                # the copy takes the network's place in its parent (not just its forward): the network's own
-                # hooks (FSDP2's all-gathers under ZeRO-3) must not run on this rank alone
-                with _swapped(module, network_name, copy):
-                    return _loss(getattr(module, mode)(batch, *rest, **kwargs))
-
-            reference = verifier.reference_values(run_step, module, network)
+            copy = verifier.reference
+            copy.to(value.device)  # copied at set-up, before the model moved to its device
+            verifier.measured = (float(value.detach()), norm)
+            # the copy is called directly: the network's own hooks (FSDP2's all-gathers under ZeRO-3) must not run
+            # on this rank alone
+            reference = verifier.reference_values(
+                lambda _: _projection(copy(*captured[0], **captured[1])), module, network
+            )
         verifier.compare(reference)
 
 
@@ -100,19 +110,6 @@ def _log_muted(module: nn.Module) -> Iterator[None]:
             del attrs["log"]
         else:
             attrs["log"] = previous
-
-
-@contextmanager
-def _swapped(module: nn.Module, name: str, replacement: nn.Module) -> Iterator[None]:
-    """``replacement`` stands at ``name`` in ``module`` meanwhile."""
-    parent_name, _, leaf = name.rpartition(".")
-    parent = module.get_submodule(parent_name)
-    original = getattr(parent, leaf)
-    setattr(parent, leaf, replacement)
-    try:
-        yield
-    finally:
-        setattr(parent, leaf, original)
 
 
 _MISSING = object()
