@@ -77,11 +77,17 @@ def verify_first_step(
             copy = verifier.reference
             copy.to(value.device)  # copied at set-up, before the model moved to its device
             verifier.measured = (float(value.detach()), norm)
+
             # the copy is called directly: the network's own hooks (FSDP2's all-gathers under ZeRO-3) must not run
             # on this rank alone
-            reference = verifier.reference_values(
-                lambda _: _projection(copy(*captured[0], **captured[1])), module, network
-            )
+            def reference_value(_: object) -> Tensor:
+                # captured again: the inputs may carry a graph of modules outside the network (torch's
+                # nn.TransformerEncoder takes the embedding's output), which the split side's backward freed
+                again = capture_call(network, lambda: getattr(module, mode)(batch, *args[1:], **kwargs))
+                assert again is not None
+                return _projection(copy(*again[0], **again[1]))
+
+            reference = verifier.reference_values(reference_value, module, network)
         verifier.compare(reference)
 
 
