@@ -69,13 +69,25 @@ def map_output(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
 
 
 @contextmanager
-def forward_replaced(module: nn.Module, fn: Callable) -> Generator[None, None, None]:
-    """``module``'s calls run ``fn`` meanwhile. The instance dict is written directly: ``nn.Module.__setattr__``
-    checks parameters, buffers and submodules on every call, for a plain function attribute (once per micro-batch
-    in the pipeline)."""
+def attribute_replaced(module: nn.Module, name: str, value: Any) -> Generator[None, None, None]:
+    """``module.<name>`` is ``value`` meanwhile, then what it was. The instance dict is written directly:
+    ``nn.Module.__setattr__`` checks parameters, buffers and submodules on every call, for a plain attribute (once per
+    micro-batch in the pipeline)."""
     attrs = module.__dict__
-    attrs["forward"] = fn
+    previous = attrs.get(name, _MISSING)
+    attrs[name] = value
     try:
         yield
     finally:
-        del attrs["forward"]
+        if previous is _MISSING:
+            del attrs[name]
+        else:
+            attrs[name] = previous
+
+
+def forward_replaced(module: nn.Module, fn: Callable) -> Any:
+    """``module``'s calls run ``fn`` meanwhile (a context manager)."""
+    return attribute_replaced(module, "forward", fn)
+
+
+_MISSING = object()

@@ -17,8 +17,8 @@ stages use are captured.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -27,7 +27,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._hooks import first_tensor, forward_replaced, tensors_in
+from lightning_hybrid._hooks import attribute_replaced, first_tensor, forward_replaced, tensors_in
 from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import to_plain
@@ -427,22 +427,9 @@ class _LogCollector:
             value = apply_to_collection(value, Tensor, lambda t: t.detach().clone())
         sink.append((name, value, args, kwargs))
 
-    @contextmanager
-    def installed(self, module: nn.Module) -> Generator[None, None, None]:
-        """``module.log`` is this collector meanwhile (in the instance dict: no ``nn.Module.__setattr__``)."""
-        attrs = module.__dict__
-        outer = attrs.get("log", _MISSING)
-        attrs["log"] = self
-        try:
-            yield
-        finally:
-            if outer is _MISSING:
-                del attrs["log"]
-            else:
-                attrs["log"] = outer
-
-
-_MISSING = object()
+    def installed(self, module: nn.Module) -> Any:
+        """``module.log`` is this collector meanwhile (a context manager)."""
+        return attribute_replaced(module, "log", self)
 
 
 def _log_dtype() -> torch.dtype:

@@ -14,8 +14,6 @@ machinery is the pipeline's (``pipeline/verify.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -23,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._hooks import tensors_in
+from lightning_hybrid._hooks import attribute_replaced, tensors_in
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.pipeline.step import capture_call
 from lightning_hybrid.pipeline.verify import PipelineVerifier
@@ -60,7 +58,7 @@ def verify_first_step(
     batch = verifier.common_microbatch(args[0])
     # eager, also with compile=True: the check is about the plan, and a compiled block would compile again for eval
     with (
-        _log_muted(module),
+        attribute_replaced(module, "log", _no_log),
         verifier.deterministic(module, verifier.reference),
         torch.compiler.set_stance("force_eager"),
     ):
@@ -103,19 +101,5 @@ def _gradients(module: nn.Module, loss: Tensor) -> None:
         p.grad = g
 
 
-@contextmanager
-def _log_muted(module: nn.Module) -> Iterator[None]:
-    """The check's values are not the run's: ``self.log`` does nothing meanwhile."""
-    attrs = module.__dict__
-    previous = attrs.get("log", _MISSING)
-    attrs["log"] = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        if previous is _MISSING:
-            del attrs["log"]
-        else:
-            attrs["log"] = previous
-
-
-_MISSING = object()
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` during the check: its values are not the run's."""
