@@ -69,7 +69,7 @@ def map_output(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
 
 
 @contextmanager
-def attribute_replaced(module: nn.Module, name: str, value: Any) -> Generator[None, None, None]:
+def attribute_replaced(module: object, name: str, value: Any) -> Generator[None, None, None]:
     """``module.<name>`` is ``value`` meanwhile, then what it was. The instance dict is written directly:
     ``nn.Module.__setattr__`` checks parameters, buffers and submodules on every call, for a plain attribute (once per
     micro-batch in the pipeline)."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -26,7 +26,9 @@ from typing_extensions import override
 
 import lightning_hybrid._lightning_compat as compat
 import lightning_hybrid.topology as topology
-from lightning_hybrid.checkpoint import ShardedCheckpointWriter, strategy_io
+from lightning_hybrid._hooks import attribute_replaced
+from lightning_hybrid.checkpoint import ShardedCheckpointWriter
+from lightning_hybrid.checkpoint.strategy_io import CheckpointHooks
 from lightning_hybrid.config import ParallelLayout, StrategyOptions
 from lightning_hybrid.data import skip_finished_batches
 from lightning_hybrid.monitoring.callback import HybridMonitor
@@ -36,8 +38,7 @@ from lightning_hybrid.parallelize import ModelOptions, Parallelized, parallelize
 from lightning_hybrid.pipeline import PipelineRunner
 from lightning_hybrid.planning.auto import resolve_layout
 from lightning_hybrid.precision import HybridPrecision, check_supported
-from lightning_hybrid.sharding import ShardedOptimizer
-from lightning_hybrid.sharding.step import GradientStep
+from lightning_hybrid.sharding.step import GradientStep, GradientStepHooks
 from lightning_hybrid.steps import loss_context, run_step
 from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, resolve_timeout
 
@@ -51,7 +52,19 @@ __all__ = ["HybridStrategy"]
 _OPTION_ARGUMENTS = frozenset(inspect.signature(StrategyOptions.from_arguments).parameters)
 
 
-class HybridStrategy(ParallelStrategy):
+def _module_step(name: str) -> Callable[..., Any]:
+    """The strategy's hook ``name`` (``training_step``, ...): the module's step, run by
+    :func:`~lightning_hybrid.steps.run_step`."""
+
+    def step(self: HybridStrategy, *args: Any, **kwargs: Any) -> Any:
+        module, data_group = self.lightning_module, self._data_group
+        return run_step(module, name, args, kwargs, self.precision_plugin, self.parallelized, data_group)
+
+    step.__name__ = step.__qualname__ = name
+    return step
+
+
+class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
     The arguments are flat (as LightningCLI/YAML give them); the constructor checks them into typed sections
@@ -149,7 +162,7 @@ class HybridStrategy(ParallelStrategy):
         super().__init__(**kwargs)
         self._options = StrategyOptions.from_arguments(**arguments)
         check_monitor(monitor)
-        self._checkpoint_options = self._options.checkpoint  # read by checkpoint/strategy_io.py
+        self._checkpoint_options = self._options.checkpoint  # read by CheckpointHooks
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
         self._timeout = resolve_timeout(timeout)
         self.track_gradient_norm = track_gradient_norm
@@ -164,14 +177,10 @@ class HybridStrategy(ParallelStrategy):
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ precision
-    @property
-    def precision_plugin(self) -> Any:
-        return ParallelStrategy.precision_plugin.fget(self)
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Any) -> None:
-        # Trainer(precision=...) gives Lightning's plugins; the hybrid one clips by the global norm
-        ParallelStrategy.precision_plugin.fset(self, HybridPrecision.from_lightning(plugin))
+    # Trainer(precision=...) gives Lightning's plugins; the hybrid one clips by the global norm
+    precision_plugin = ParallelStrategy.precision_plugin.setter(
+        lambda self, plugin: ParallelStrategy.precision_plugin.fset(self, HybridPrecision.from_lightning(plugin))
+    )
 
     # ------------------------------------------------------------------ layout and processes
     @property
@@ -188,7 +197,7 @@ class HybridStrategy(ParallelStrategy):
         return self._topology.mesh
 
     @property
-    def _data_group(self) -> Any:  # the data-parallel group (checkpoint/strategy_io.py reads it too)
+    def _data_group(self) -> Any:  # the data-parallel group (CheckpointHooks reads it too)
         return self._topology.data_group if self._topology is not None else None
 
     @property
@@ -301,27 +310,10 @@ class HybridStrategy(ParallelStrategy):
         return skip_finished_batches(dataloader, self.lightning_module.trainer)  # a mid-epoch resume (data.py)
 
     # ------------------------------------------------------------------ steps (steps.py)
-    def _run_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        assert self.lightning_module is not None
-        return run_step(
-            self.lightning_module, name, args, kwargs, self.precision_plugin, self.parallelized, self._data_group
-        )
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run_step("predict_step", *args, **kwargs)
+    training_step = _module_step("training_step")
+    validation_step = _module_step("validation_step")
+    test_step = _module_step("test_step")
+    predict_step = _module_step("predict_step")
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -338,31 +330,10 @@ class HybridStrategy(ParallelStrategy):
         with loss_context(self.parallelized):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
+    def block_backward_sync(self) -> AbstractContextManager[None]:
         """DDP's ``no_sync``: Lightning runs the backward passes of gradient-accumulation batches inside this, so they
         only add into the gradient buckets; the step's last backward pass (inside ``optimizer_step``) reduces them."""
-        blocked, self._backward_sync_blocked = self._backward_sync_blocked, True
-        try:
-            yield None
-        finally:
-            self._backward_sync_blocked = blocked
-
-    @property
-    def gradient_buckets(self) -> list[list[dict[str, int]]]:
-        """Per optimizer, per gradient bucket (``overlap_grad_reduce``): parameters, bytes, all-reduces started and
-        how many of them started during backward (empty lists where the gradients are not bucketed)."""
-        return self._gradient_step.bucket_stats() if self._gradient_step is not None else []
-
-    @property
-    def last_gradient_norm(self) -> Optional[float]:
-        """The global gradient norm before clipping at the last optimizer step (None if it overflowed)."""
-        return self._gradient_step.last_norm if self._gradient_step is not None else None
-
-    @property
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
-        return self._gradient_step.model_state_bytes if self._gradient_step is not None else {}
+        return attribute_replaced(self, "_backward_sync_blocked", True)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -372,78 +343,10 @@ class HybridStrategy(ParallelStrategy):
         return self._gradient_step.run(optimizer, closure, step, backward_sync_blocked=blocked, track_norm=tracked)
 
     @property
-    def sharded_optimizers(self) -> list[ShardedOptimizer]:
-        """The ZeRO-0/1/2 wrappers of the optimizers (none at ZeRO-3 or before the optimizers are set up)."""
-        return self._gradient_step.sharded if self._gradient_step is not None else []
-
-    def _sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
-        return self._gradient_step.sharded_for(optimizer) if self._gradient_step is not None else None
-
-    def clip_gradients_by_global_norm(self, max_norm: float) -> float:
-        """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
-        device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
-        assert self._gradient_step is not None, "set up the optimizers first"
-        return self._gradient_step.clip_(max_norm)
-
-    @property
     def pipeline_timeline(self) -> Any:
         """This rank's :class:`~lightning_hybrid.pipeline.runner.StepTimeline` of the last pipeline step (None
         without pipeline parallel): per micro-batch forward/backward timings and the measured bubble fraction."""
         return self._pipeline.timeline if self._pipeline is not None else None
-
-    def reduce_gradients(self, sharded: Optional[ShardedOptimizer] = None) -> None:
-        """Make gradients the single-device ones: tensor-parallel replicas first, then data-parallel (ZeRO) reduction.
-        Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself)."""
-        assert self._gradient_step is not None, "set up the optimizers first"
-        self._gradient_step.reduce(sharded)
-
-    def full_gradients(self) -> dict[str, Tensor]:
-        """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
-        on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
-        assert self._gradient_step is not None, "set up the optimizers first"
-        return self._gradient_step.full_gradients()
-
-    # ------------------------------------------------------------------ checkpoints (checkpoint/strategy_io.py)
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # shards load in place into the parallelized model and the (ZeRO-wrapped) optimizers
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return strategy_io.model_state(self)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return strategy_io.optimizer_state(self, optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
-        strategy_io.save_checkpoint(self, checkpoint, filepath)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        strategy_io.remove_checkpoint(self, filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return strategy_io.load_checkpoint(self, checkpoint_path, weights_only)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in place by load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded in place by load_checkpoint
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -455,12 +358,7 @@ class HybridStrategy(ParallelStrategy):
         return topology.broadcast_object(obj, src)
 
     @override
-    def reduce(
-        self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
-    ) -> Union[Tensor, Any]:
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Union[ReduceOp, str, None] = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from lightning_hybrid.config import ParallelLayout
     from lightning_hybrid.parallelize import Parallelized
 
-__all__ = ["GradientStep"]
+__all__ = ["GradientStep", "GradientStepHooks"]
 
 
 class GradientStep:
@@ -270,3 +270,59 @@ class GradientStep:
         """Per optimizer, per gradient bucket: parameters, bytes, all-reduces started and how many of them started
         during backward (empty lists where the gradients are not bucketed)."""
         return [z.buckets.stats() if z.buckets is not None else [] for z in self.sharded]
+
+
+class GradientStepHooks:
+    """The gradient half of :class:`~lightning_hybrid.HybridStrategy`'s public API, as a mixin: each member reads
+    the strategy's :class:`GradientStep` (``_gradient_step``, built by ``setup_optimizers``).
+
+    Example:
+        >>> from lightning_hybrid import HybridStrategy
+        >>> HybridStrategy(zero_stage=1).last_gradient_norm is None  # no optimizer step yet
+        True
+    """
+
+    _gradient_step: Optional[GradientStep]
+
+    def _require_step(self) -> GradientStep:
+        assert self._gradient_step is not None, "set up the optimizers first"
+        return self._gradient_step
+
+    @property
+    def gradient_buckets(self) -> list[list[dict[str, int]]]:
+        """Per optimizer, per gradient bucket (``overlap_grad_reduce``): parameters, bytes, all-reduces started and
+        how many of them started during backward (empty lists where the gradients are not bucketed)."""
+        return self._gradient_step.bucket_stats() if self._gradient_step is not None else []
+
+    @property
+    def last_gradient_norm(self) -> Optional[float]:
+        """The global gradient norm before clipping at the last optimizer step (None if it overflowed)."""
+        return self._gradient_step.last_norm if self._gradient_step is not None else None
+
+    @property
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
+        return self._gradient_step.model_state_bytes if self._gradient_step is not None else {}
+
+    @property
+    def sharded_optimizers(self) -> list[ShardedOptimizer]:
+        """The ZeRO-0/1/2 wrappers of the optimizers (none at ZeRO-3 or before the optimizers are set up)."""
+        return self._gradient_step.sharded if self._gradient_step is not None else []
+
+    def _sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
+        return self._gradient_step.sharded_for(optimizer) if self._gradient_step is not None else None
+
+    def clip_gradients_by_global_norm(self, max_norm: float) -> float:
+        """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
+        device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
+        return self._require_step().clip_(max_norm)
+
+    def reduce_gradients(self, sharded: Optional[ShardedOptimizer] = None) -> None:
+        """Make gradients the single-device ones: tensor-parallel replicas first, then data-parallel (ZeRO) reduction.
+        Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself)."""
+        self._require_step().reduce(sharded)
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
+        on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
+        return self._require_step().full_gradients()
