@@ -197,6 +197,9 @@ def parallelize(
             runner.verifier = verifier
         if layout.zero_stage == 3:
             dp_replicated += shared.loose  # in no stage's FSDP2 root: averaged over data like those left out
+    if verifier is not None and precision.master_dtype is None:
+        # the weights the copy was taken with (not so after a '-true' cast), to see at the first step if they changed
+        verifier.remember(network)
     return Parallelized(
         structure=structure,
         gradient_sync=GradientSync(module, replicated, mesh["tensor"], dp_replicated, mesh["data"]),

@@ -250,11 +250,19 @@ class PipelineVerifier:
     """The argument that turned it on, named in its messages (``verify_tensor_parallel`` without a pipeline)."""
     result: Optional[dict[str, float]] = None
     """What the reference rank compared: ``loss``, ``reference_loss``, ``norm``, ``reference_norm``."""
+    fingerprint: Optional[Tensor] = None
+    """This rank's :func:`weights_fingerprint` of the split network at set-up (None: refresh unconditionally)."""
+
+    def remember(self, network: nn.Module) -> None:
+        """Take the split network's fingerprint at set-up, when it holds the weights the copy was taken with."""
+        self.fingerprint = weights_fingerprint(network)
 
     def refresh(self, network: nn.Module) -> None:
         """Load the split network's current weights into the copy (collective: every rank, same order). The copy
         was taken at set-up; a checkpoint resumed since, or a hook, may have changed them. Each stage's parameters
         and buffers are gathered whole over tensor parallel and ZeRO, then sent to the reference rank."""
+        if not self._changed_since_setup(network):
+            return  # the common case: gathering every weight to the reference rank would be wasted
         from lightning_hybrid.checkpoint import full_tensor
         from lightning_hybrid.checkpoint.optimizer import state_dict_name
 
@@ -282,6 +290,17 @@ class PipelineVerifier:
             self.reference = None
             return
         self.reference.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+    def _changed_since_setup(self, network: nn.Module) -> bool:
+        """Whether any rank's weights differ from its set-up fingerprint (collective over the world: one all-reduce
+        of a flag, so that every rank takes the same branch)."""
+        now = weights_fingerprint(network)
+        before = self.fingerprint
+        same = before is not None and now is not None and torch.allclose(now, before, rtol=1e-9, atol=0.0)
+        device = next((t.device for t in [*network.parameters(), *network.buffers()]), torch.device("cpu"))
+        changed = torch.tensor([0.0 if same else 1.0], device=device)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX)
+        return bool(changed.item())
 
     def common_microbatch(self, microbatch: Any) -> Any:
         """The first data-parallel replica's micro-batch, on every replica (so their gradients agree)."""
@@ -375,6 +394,25 @@ class PipelineVerifier:
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
                 torch.cuda.set_rng_state_all(cuda_state)
+
+
+def weights_fingerprint(network: nn.Module) -> Optional[Tensor]:
+    """Three float64 sums per local tensor (of the values, their squares and the values weighted by position) of
+    every parameter and buffer this rank holds, on the CPU; None where a tensor has no data (the meta device).
+    Equal fingerprints within 1e-9 mean the weights did not change: a checkpoint load or an edit moves them by far
+    more, and the tolerance absorbs only a different summation order (the model moved to its device meanwhile)."""
+    from torch.distributed.tensor import DTensor
+
+    sums = []
+    for t in [*network.parameters(), *network.buffers()]:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        if t.is_meta:
+            return None
+        flat = t.detach().reshape(-1)
+        flat = (torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat).double()
+        position = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(7).add_(1)
+        sums.append(torch.stack([flat.sum(), flat.square().sum(), (flat * position).sum()]))
+    return torch.stack(sums).cpu() if sums else torch.zeros(0, 3, dtype=torch.float64)
 
 
 def _to_device_like(obj: Any, like: Any) -> Any:
