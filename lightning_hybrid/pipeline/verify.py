@@ -397,10 +397,11 @@ class PipelineVerifier:
 
 
 def weights_fingerprint(network: nn.Module) -> Optional[Tensor]:
-    """Three float64 sums per local tensor (of the values, their squares and the values weighted by position) of
-    every parameter and buffer this rank holds, on the CPU; None where a tensor has no data (the meta device).
-    Equal fingerprints within 1e-9 mean the weights did not change: a checkpoint load or an edit moves them by far
-    more, and the tolerance absorbs only a different summation order (the model moved to its device meanwhile)."""
+    """Three float64 sums per local tensor (of the values, of their squares, and of every other value, which a
+    shuffle moves) of every parameter and buffer this rank holds, on the CPU; None where a tensor has no data (the
+    meta device). Equal fingerprints within 1e-9 mean the weights did not change: a checkpoint load or an edit moves
+    them by far more, and the tolerance absorbs only a different summation order (the model moved to its device
+    meanwhile). Accumulated in float64 without a float64 copy of any tensor."""
     from torch.distributed.tensor import DTensor
 
     sums = []
@@ -409,9 +410,9 @@ def weights_fingerprint(network: nn.Module) -> Optional[Tensor]:
         if t.is_meta:
             return None
         flat = t.detach().reshape(-1)
-        flat = (torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat).double()
-        position = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(7).add_(1)
-        sums.append(torch.stack([flat.sum(), flat.square().sum(), (flat * position).sum()]))
+        flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+        f64 = torch.float64
+        sums.append(torch.stack([flat.sum(dtype=f64), flat.square().sum(dtype=f64), flat[::2].sum(dtype=f64)]))
     return torch.stack(sums).cpu() if sums else torch.zeros(0, 3, dtype=torch.float64)
 
 

@@ -62,7 +62,11 @@ def verify_first_step(
         verifier.deterministic(module, verifier.reference),
         torch.compiler.set_stance("force_eager"),
     ):
-        captured = capture_call(network, lambda: getattr(module, mode)(batch, *args[1:], **kwargs))
+
+        def user_step() -> Any:
+            return getattr(module, mode)(batch, *args[1:], **kwargs)
+
+        captured = capture_call(network, user_step)
         value = _projection(network(*captured[0], **captured[1])) if captured is not None else None
         if value is None:  # the step calls no network, or it returns no floating tensor: nothing to compare (alike)
             return
@@ -70,22 +74,19 @@ def verify_first_step(
         norm = verifier.gradient_norm(module)
         for p in module.parameters():
             p.grad = None
+        # the step up to the network once more, on every rank (the code before the network may hold collectives):
+        # the captured inputs may carry a graph of modules outside the network (torch's nn.TransformerEncoder takes
+        # the embedding's output), which the split side's backward freed; the reference's backward needs its own
+        again = capture_call(network, user_step)
         reference = None
         if verifier.reference is not None:
+            assert again is not None
             copy = verifier.reference
             copy.to(value.device)  # copied at set-up, before the model moved to its device
             verifier.measured = (float(value.detach()), norm)
-
             # the copy is called directly: the network's own hooks (FSDP2's all-gathers under ZeRO-3) must not run
             # on this rank alone
-            def reference_value(_: object) -> Tensor:
-                # captured again: the inputs may carry a graph of modules outside the network (torch's
-                # nn.TransformerEncoder takes the embedding's output), which the split side's backward freed
-                again = capture_call(network, lambda: getattr(module, mode)(batch, *args[1:], **kwargs))
-                assert again is not None
-                return _projection(copy(*again[0], **again[1]))
-
-            reference = verifier.reference_values(reference_value, module, network)
+            reference = verifier.reference_values(lambda _: _projection(copy(*again[0], **again[1])), module, network)
         verifier.compare(reference)
 
 
