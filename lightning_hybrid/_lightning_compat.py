@@ -34,12 +34,6 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection as init_dist_connection,
 )
 
-# checked on lightning 2.6.6 (2.6.x); public replacement: ``lightning.fabric.utilities.distributed.sync_ddp`` once
-# it skips the non-distributed case itself
-from lightning.fabric.utilities.distributed import (
-    _sync_ddp_if_available as sync_ddp_if_available,
-)
-
 # checked on lightning 2.6.6 (2.6.x); public replacement: none yet (Lightning's DDP/FSDP strategies build it too)
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
@@ -59,7 +53,6 @@ __all__ = [
     "set_module_device_mesh",
     "set_launcher",
     "set_world_ranks",
-    "sync_ddp_if_available",
     "unwrap_optimizer",
     "wrap_closure",
 ]

@@ -359,9 +359,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Union[ReduceOp, str, None] = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return topology.reduce(tensor, group, reduce_op) if isinstance(tensor, Tensor) else tensor
 
     @override
     def teardown(self) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "Topology",
     "barrier",
     "broadcast_object",
+    "reduce",
     "build_device_mesh",
     "init_process_groups",
     "format_rank_table",
@@ -250,3 +251,29 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     objects = [obj]
     dist.broadcast_object_list(objects, src, group=dist.group.WORLD)
     return objects[0]
+
+
+def reduce(tensor: torch.Tensor, group: Any = None, reduce_op: Any = "mean") -> torch.Tensor:
+    """``tensor`` reduced in place over ``group`` (default: every rank) by ``reduce_op`` (``"mean"``, ``"sum"``,
+    ``"max"``, ... or a ``ReduceOp``), as Lightning's ``sync_ddp`` does for ``self.log(..., sync_dist=True)``, with one
+    collective where it makes two: its barrier before the all-reduce adds a wait, not an order (the all-reduce waits
+    for every member itself). A group of one process returns ``tensor`` unchanged with no collective at all.
+
+    Example:
+        >>> reduce(torch.tensor([2.0]))  # no process group: nothing to reduce over
+        tensor([2.])
+    """
+    if not compat.distributed_is_initialized():
+        return tensor
+    group = dist.group.WORLD if group is None else group
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+    if reduce_op is None or isinstance(reduce_op, str):
+        reduce_op = dist.ReduceOp.SUM if mean or reduce_op is None else getattr(dist.ReduceOp, reduce_op.upper())
+    dist.all_reduce(tensor, op=reduce_op, group=group)
+    if not mean:
+        return tensor
+    # in place, as Lightning's: the logged tensor itself holds the mean afterwards
+    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)

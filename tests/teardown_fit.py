@@ -42,13 +42,30 @@ from tests.harness import build_module, make_dataset, trainer_kwargs  # noqa: E4
 spec = json.loads(sys.argv[1])
 module = build_module("nanogpt", n_layer=spec.get("n_layer", 2), bias=False)
 kwargs = {**trainer_kwargs(1), **spec.get("trainer", {})}
-trainer = L.Trainer(accelerator="cpu", devices=spec["devices"], strategy=HybridStrategy(**spec["strategy"]), **kwargs)
+callbacks = []
+if spec.get("sigterm_at") is not None:  # every rank gets SIGTERM at the end of this batch, as a cluster sends it
+
+    class Preempted(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            import os
+            import signal
+
+            if trainer.global_step == spec["sigterm_at"] + 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    callbacks.append(Preempted())
+trainer = L.Trainer(accelerator="cpu", devices=spec["devices"], strategy=HybridStrategy(**spec["strategy"]),
+                    callbacks=callbacks, **kwargs)  # fmt: skip
 loader = torch.utils.data.DataLoader(make_dataset(), batch_size=spec.get("batch_size", 4))
-trainer.fit(module, train_dataloaders=loader)
+try:
+    trainer.fit(module, train_dataloaders=loader)
+except SystemExit as stop:  # Lightning's SIGTERMException, raised together on every rank
+    print(f"STOPPED {type(stop).__name__} rank {trainer.global_rank} step {trainer.global_step}", flush=True)
 if spec.get("save"):
     trainer.save_checkpoint(spec["save"])
 _world = weakref.ref(torch.distributed.group.WORLD)
 losses: list = [None] * torch.distributed.get_world_size()
-torch.distributed.all_gather_object(losses, float(trainer.callback_metrics.get("train_loss", 0.0)))
+result = trainer.global_step if spec.get("sigterm_at") is not None else trainer.callback_metrics.get("train_loss", 0.0)
+torch.distributed.all_gather_object(losses, float(result))
 if trainer.global_rank == 0:
     print("RESULT", json.dumps(losses), flush=True)

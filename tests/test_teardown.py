@@ -180,3 +180,17 @@ def test_two_torchrun_agents_exit_cleanly(tmp_path: Path) -> None:
         assert agent.returncode == 0, f"agent {rank}: exit {agent.returncode}\n{err[-3000:]}"
         assert not any(m in err for m in BAD), f"agent {rank}:\n{err[-3000:]}"
     assert "RESULT" in outputs[0][0], outputs[0][0][-2000:]  # global rank 0 runs on the first agent
+
+
+@pytest.mark.timeout(700)
+def test_sigterm_stops_every_rank_together(tmp_path: Path) -> None:
+    """A preempted job (SIGTERM to every rank at the end of one batch, as a cluster sends it) under pipeline
+    parallel: every rank leaves ``fit`` with Lightning's ``SIGTERMException`` at the step the signal came (Lightning's
+    handler broadcasts rank 0's flag, paired on every rank), and the job ends cleanly with no hang and no abort."""
+    spec = {"name": "pp2-sigterm", "devices": 2, "n_layer": 4, "strategy": {"pipeline_parallel_size": 2},
+            "trainer": {"max_steps": 10}, "sigterm_at": 3}  # fmt: skip
+    proc = _run(spec, tmp_path, timeout=600, external=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "STOPPED SIGTERMException rank 0 step 4" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "RESULT [4.0, 4.0]" in proc.stdout, proc.stdout[-2000:]  # every rank stopped at step 4, not 10
+    assert not any(m in proc.stderr for m in BAD), proc.stderr[-3000:]

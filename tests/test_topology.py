@@ -1,0 +1,48 @@
+"""``topology.reduce`` (what ``self.log(..., sync_dist=True)`` runs through the strategy) against torch's own
+all-reduce, on 2 real gloo processes: every op Lightning accepts, in place, integer means as Lightning's, and a group
+of one left untouched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, store: str, results: dict) -> None:
+    from lightning_hybrid.topology import reduce
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        value = float(rank + 1)  # 1 and 2
+        out = {}
+        for op in ("mean", "avg", "sum", "max", "min", None, dist.ReduceOp.SUM):
+            t = torch.tensor([value])
+            got = reduce(t, None, op)
+            out[str(op)] = (got.item(), got.data_ptr() == t.data_ptr())
+        t = torch.tensor([rank * 3 + 1])  # integers 1 and 4: Lightning's mean keeps the dtype, 5 // 2
+        got = reduce(t, None, "mean")
+        out["int-mean"] = (got.item(), got.dtype == torch.int64)
+        singles = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in the same order
+        t = torch.tensor([value])
+        out["single"] = reduce(t, singles[rank], "sum").item()
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_reduce_matches_torch_on_two_processes(tmp_path: Path) -> None:
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_worker, args=(str(tmp_path / "store"), results), nprocs=2, join=True)
+    for rank in (0, 1):
+        out = results[rank]
+        assert out["mean"] == (1.5, True) and out["avg"] == (1.5, True), out
+        assert out["sum"] == (3.0, True) and out["None"] == (3.0, True) and out[str(dist.ReduceOp.SUM)] == (3.0, True)
+        assert out["max"] == (2.0, True) and out["min"] == (1.0, True), out
+        assert out["int-mean"] == (2, True), out
+        assert out["single"] == float(rank + 1), out  # a group of one: the value itself, no collective
