@@ -146,8 +146,9 @@ KNOWN_COSTS: dict[tuple[str, str], str] = {
     " (`_create_sub_mesh`, milliseconds of CPU); slice once in `setup_environment` and keep the sub-meshes",
     ("lightning_hybrid/pipeline/runner.py", "_share_results"): "`PipelineRunner._share_results` sends the step's"
     " loss and logged values from the last stage to every stage (one tensor broadcast once the logged names are"
-    " known, pickled objects on the first step) and replays `self.log` (Lightning's `log` with `sync_dist`: an"
-    " all-reduce per logged value) on every rank",
+    " known, pickled objects on the first step) and replays `self.log` on every rank (Lightning's `log`; its"
+    " `sync_dist` is one all-reduce over the data-parallel group through `HybridStrategy.reduce`, none without data"
+    " parallel)",
     ("lightning_hybrid/pipeline/runner.py", "_capture"): "`PipelineRunner._capture` runs `training_step` up to the"
     " network call to learn its inputs, once per micro-batch on ranks holding a stage before the last",
     ("lightning_hybrid/pipeline/runner.py", "_take_gradients"): "`PipelineRunner._take_gradients` holds the step's"
@@ -158,10 +159,14 @@ KNOWN_COSTS: dict[tuple[str, str], str] = {
     " buckets still in flight (the last bucket, the embeddings, cannot overlap) and averages them",
     ("lightning_hybrid/pipeline/stage.py", "active"): "`NetworkSplit.active` switches to the stage's prepared module"
     " swaps for every forward action",
+    ("lightning/pytorch/loops/training_epoch_loop.py", "_broadcast_sigterm_tensor"): "Lightning's training loop"
+    " broadcasts rank 0's SIGTERM flag before every batch and waits for it (a blocking collective under every"
+    " distributed strategy; the references without Lightning have none)",
     ("lightning/pytorch/core/module.py", "log"): "Lightning's `self.log(..., sync_dist=True)` of the example's"
-    " `training_step`: an all-reduce, and Lightning's result collection moving its stored metric to the value's"
-    " device with `apply_to_collection` on every call (Lightning's own cost, paid under any strategy; the"
-    " references without Lightning do not log)",
+    " `training_step`: Lightning's result collection moving its stored metric to the value's device with"
+    " `apply_to_collection` on every call (Lightning's own cost, paid under any strategy; the references without"
+    " Lightning do not log) and the sync (`HybridStrategy.reduce`: one all-reduce over the data-parallel group"
+    " where Lightning's `sync_ddp` makes a barrier and an all-reduce; none in a group of one)",
 }
 
 

@@ -54,10 +54,13 @@ CAUSES: dict[str, str] = {
     " running `training_step` up to the network call to capture the network's inputs; on the last stage, the rest"
     " of `training_step` around the stage's forward, with `self.log` kept by a stand-in (no Lightning call); on"
     " every stage, the input stubs and pass-through blocks of the cut and one timing record per action. Per step:"
-    " one tensor broadcast of the loss and logged values, one Lightning `self.log` per logged name (with"
-    " `sync_dist`, an all-reduce), the gradient stash. Outside the runner: the hang watchdog's observer of every"
-    " point-to-point wait (`lightning_hybrid/monitoring/comm.py`, a signature bind per send/recv), Lightning's loop"
-    " hooks and progress tracking, and the `optimizer_step` closure, which the plain loop does not have." + _PER_STEP,
+    " one tensor broadcast of the loss and logged values, one Lightning `self.log` per logged name (its"
+    " `sync_dist` reduces over the data-parallel group: nothing to reduce here), the gradient stash. Outside the"
+    " runner: the hang watchdog's observer of every point-to-point wait (`lightning_hybrid/monitoring/comm.py`, a"
+    " signature bind per send/recv), Lightning's loop hooks and progress tracking, the `optimizer_step` closure,"
+    " which the plain loop does not have, and Lightning's broadcast of rank 0's SIGTERM flag before every batch (a"
+    " blocking collective, kept: read a batch late, a rank that got SIGTERM alone would leave while its peers start"
+    " a batch it never joins)." + _PER_STEP,
     "3d_2x2x2": "The plain script has no Lightning loop, no `self.log` with `sync_dist` and none of the per-step"
     " checks." + _PER_STEP,
 }
