@@ -1,13 +1,22 @@
 """The GPU path of the benchmarks, as one short script for a single GPU: tokens/s, MFU and peak memory.
 
-Part 1 (one process, tp=pp=dp=1): the nanoGPT example at GPT-2 small width trained with ``HybridStrategy`` and with
-Lightning's default single-device strategy, alternating A B A B; tokens/s per GPU, model FLOPs utilisation (MFU) and
-peak GPU memory for both, and the ratio.
-Part 2 (two processes on the same GPU, pp=2, 1F1B): NCCL refuses two ranks on one device on most setups, so the run
-is tried with ``nccl`` and, if that fails, with ``gloo`` (CPU staging of the stage-to-stage tensors); which one ran
-is recorded. It checks that the pipeline path works on CUDA, not its speed.
+Part 1 (one process, tp=pp=dp=1): a 1.0B-parameter nanoGPT (the example's model, 18 blocks of width 2048, 16 heads,
+vocabulary 50304, sequence 1024, tied embedding; bf16-mixed, AdamW) trained four ways, alternated per round
+(A B A B): ``hybrid`` (``HybridStrategy(zero_stage=0)``), ``single_device`` (Lightning's default strategy),
+``hybrid_compile`` (``HybridStrategy(zero_stage=0, compile=True)``: the strategy compiles each transformer block) and
+``single_device_compile`` (Lightning's default strategy, each block compiled by the user before fit with
+``block.compile()``, the regional compilation torchtitan does). For each: tokens/s (median and min-max over rounds),
+model FLOPs utilisation (MFU) and peak GPU memory; and the step-time ratio HybridStrategy / single device, eager and
+compiled. The first steps of every run are dropped (2 eager, 3 compiled, so compiling is not timed).
+The eager HybridStrategy run's peak memory (``torch.cuda.max_memory_allocated()``) is set against the planner's
+prediction for the same layout (``lightning_hybrid.planning.plan``: tp=pp=dp=1, ZeRO-0, the model built on the meta
+device, the same sequence, micro-batch, precision and optimizer, no recompute, the GPU's memory).
+Part 2 (two processes on the same GPU, pp=2, 1F1B, the GPT-2-small-width model): NCCL refuses two ranks on one device
+on most setups, so the run is tried with ``nccl`` and, if that fails, with ``gloo`` (CPU staging of the stage-to-stage
+tensors); which one ran is recorded. It checks that the pipeline path works on CUDA, not its speed.
 
-Usage (from the repository root, on a machine with one CUDA GPU; about 3-4 minutes):
+Usage (from the repository root, on a machine with one CUDA GPU; about 4 minutes on an H200, of which about 1.5 for
+part 2 and most of the rest compiling, once cold and then from inductor's cache):
     python benchmarks/gpu_smoke.py                     # writes benchmarks/results/gpu_smoke.json
     python benchmarks/gpu_smoke.py --write-docs        # and the "GPU" section of docs/benchmarks.md
     python benchmarks/gpu_smoke.py --cpu-check         # tiny model on CPU: checks the script itself (no GPU needed)
@@ -35,8 +44,18 @@ if str(ROOT) not in sys.path:
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0,
                     "RTX 4090": 165.0, "V100": 125.0}  # fmt: skip
-GPU_MODEL = {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768}
-CPU_CHECK_MODEL = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16}
+# 18 x (12·2048² + 13·2048) + (50304 + 1024)·2048 + 2·2048 = 1,011,572,736 parameters. The head is tied to the token
+# embedding (as in GPT-2 and nanoGPT): 6·N then counts the vocabulary matrix once, as the head's product it is.
+GPU_MODEL = {"vocab_size": 50304, "block_size": 1024, "n_layer": 18, "n_head": 16, "n_embd": 2048, "tie_weights": True}
+CPU_CHECK_MODEL = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16, "tie_weights": True}
+# part 2 keeps the models and batch it had before part 1 grew: it checks the pipeline path, not speed
+PIPELINE_MODEL = {"vocab_size": 50304, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768}
+CPU_CHECK_PIPELINE_MODEL = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16}
+PIPELINE_BATCH = 8
+KINDS = ("hybrid", "single_device", "hybrid_compile", "single_device_compile")
+LABELS = {"hybrid": "HybridStrategy (tp=pp=dp=1)", "single_device": "Lightning single device",
+          "hybrid_compile": "HybridStrategy, `compile=True`",
+          "single_device_compile": "Lightning single device, `block.compile()` per block"}  # fmt: skip
 SECTION_BEGIN = "<!-- gpu_smoke: begin (written by benchmarks/gpu_smoke.py) -->"
 SECTION_END = "<!-- gpu_smoke: end -->"
 
@@ -53,6 +72,24 @@ def peak_flops(device_name: str, override_tflops: Optional[float]) -> Optional[f
         if key in device_name:
             return tflops * 1e12
     return None
+
+
+def warmup_steps(kind: str) -> int:
+    """Steps dropped before timing: compiling happens in the first step's forward and backward; one more step than
+    eager so no recompile (or inductor's lazy autotuning) lands in the timed ones."""
+    return 3 if kind.endswith("_compile") else 2
+
+
+def _release(device: str) -> None:
+    """Free what earlier runs left (Lightning's trainer and module reference each other: only the cycle collector
+    frees them), so one run's model and optimizer state never count in the next run's peak."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _train(kind: str, model: dict[str, Any], batch: int, steps: int, device: str, precision: str) -> dict[str, Any]:
@@ -73,40 +110,79 @@ def _train(kind: str, model: dict[str, Any], batch: int, steps: int, device: str
                 torch.cuda.synchronize()  # kernels are asynchronous: a step ends when the GPU is done
             self.ends.append(time.perf_counter())
 
+    compiled = kind.endswith("_compile")
+    _release(device)
+    if compiled:
+        # every compiled run compiles its blocks afresh (from inductor's on-disk cache after the first), so runs do
+        # not depend on each other and dynamo's per-function recompile limit is never reached across runs
+        torch.compiler.reset()
+    baseline = torch.cuda.memory_allocated() if device == "cuda" else None
     L.seed_everything(1234, verbose=False)
     tokens = token_batches(model["vocab_size"], model["block_size"], batch, steps)
     data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    module = NanoGPT(**model)
+    with torch.device(device):  # initialised where it trains: 2e9 random draws on the GPU, not seconds of CPU per run
+        module = NanoGPT(**model)
     parameters = sum(p.numel() for p in module.parameters())
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     clock = Clock()
     strategy: Any = "auto"
-    if kind == "hybrid":
+    if kind.startswith("hybrid"):
         from lightning_hybrid import HybridStrategy
 
-        strategy = HybridStrategy(zero_stage=0)
+        strategy = HybridStrategy(zero_stage=0, compile=compiled)
+    elif compiled:
+        for block in module.model.h:  # what a user does without the strategy: regional compilation, as torchtitan
+            block.compile()
     trainer = L.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, strategy=strategy,
                         precision=precision, max_steps=steps, callbacks=[clock], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    begin = time.perf_counter()
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=batch, drop_last=True))
-    times = [b - a for a, b in zip(clock.ends, clock.ends[1:])][1:]  # the first two steps warm up
+    warmup = warmup_steps(kind)
+    times = [b - a for a, b in zip(clock.ends[warmup - 1 :], clock.ends[warmup:])]
     step = statistics.median(times)
     return {
         "kind": kind,
         "step_seconds": step,
+        "warmup_seconds": clock.ends[warmup - 1] - begin,  # set-up and the dropped steps: compile time shows here
         "tokens_per_second": batch * model["block_size"] / step,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "baseline_memory_bytes": baseline,
         "parameters": parameters,
     }
 
 
+def planner_prediction(model: dict[str, Any], batch: int, precision: str, device: str) -> dict[str, Any]:
+    """The planner's ledger for exactly part 1's eager HybridStrategy run: one device, ZeRO-0, no recompute."""
+    import torch
+
+    from examples.nanogpt import NanoGPT
+    from lightning_hybrid.planning import GB, plan
+
+    with torch.device("meta"):  # shapes only: the planner reads the sizes and counts the parameters
+        module = NanoGPT(**model)
+    memory = torch.cuda.get_device_properties(0).total_memory / GB if device == "cuda" else None
+    result = plan(module, seq=model["block_size"], micro_batch=batch, precision=precision, optimizer="adamw",
+                  recompute="none", device_memory=memory, gpu="H200", nodes=1, devices_per_node=1,
+                  tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, zero_stage=0)  # fmt: skip
+    (layout,) = result.layouts  # every size is fixed: one layout
+    return {
+        "layout": layout.candidate.describe(),
+        "predicted_peak_bytes": layout.ledger.peak,
+        "ledger": layout.ledger.as_dict(),
+        "feasible": layout.feasible,
+        "verdict": layout.reason,
+    }
+
+
 def part_one(args: argparse.Namespace, model: dict[str, Any], device: str) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {"hybrid": [], "single_device": []}
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     for _ in range(args.rounds):
-        for kind in ("hybrid", "single_device"):
+        for kind in KINDS:
             runs[kind].append(_train(kind, model, args.batch_size, args.steps, device, args.precision))
+    _release(device)  # part 2's processes share the GPU
     out: dict[str, Any] = {}
     name = _device_name(device)
     peak = peak_flops(name, args.peak_tflops)
@@ -115,12 +191,24 @@ def part_one(args: argparse.Namespace, model: dict[str, Any], device: str) -> di
         median = statistics.median(tps)
         out[kind] = {
             "tokens_per_second": median, "min": min(tps), "max": max(tps),
+            "step_seconds": statistics.median(r["step_seconds"] for r in rows),
+            "warmup_seconds": [r["warmup_seconds"] for r in rows],
             "mfu": median * flops_per_token(model, rows[0]["parameters"]) / peak if peak else None,
             "peak_memory_bytes": max((r["peak_memory_bytes"] or 0) for r in rows) or None,
+            "baseline_memory_bytes": max((r["baseline_memory_bytes"] or 0) for r in rows),
             "parameters": rows[0]["parameters"],
         }  # fmt: skip
-    ratios = [h["step_seconds"] / s["step_seconds"] for h, s in zip(runs["hybrid"], runs["single_device"])]
-    out["step_time_ratio"] = statistics.median(ratios)
+
+    def ratio(a: str, b: str) -> float:  # per round, then the median: drift between rounds cancels
+        return statistics.median(x["step_seconds"] / y["step_seconds"] for x, y in zip(runs[a], runs[b]))
+
+    out["step_time_ratio"] = ratio("hybrid", "single_device")
+    out["step_time_ratio_compile"] = ratio("hybrid_compile", "single_device_compile")
+    memory = planner_prediction(model, args.batch_size, args.precision, device)
+    measured = out["hybrid"]["peak_memory_bytes"]
+    memory["measured_peak_bytes"] = measured
+    memory["measured_over_predicted"] = measured / memory["predicted_peak_bytes"] if measured else None
+    out["memory_vs_planner"] = memory
     out["device"], out["peak_flops"] = name, peak
     return out
 
@@ -169,7 +257,7 @@ def part_two(args: argparse.Namespace, model: dict[str, Any], device: str) -> di
     tried: dict[str, Any] = {}
     for backend in ("nccl", "gloo") if device == "cuda" else ("gloo",):
         with tempfile.TemporaryDirectory() as work:
-            config = {"model": model, "batch_size": args.batch_size, "steps": 3, "device": device,
+            config = {"model": model, "batch_size": PIPELINE_BATCH, "steps": 3, "device": device,
                       "backend": backend, "precision": args.precision, "out": str(Path(work) / "out.json")}  # fmt: skip
             path = Path(work) / "config.json"
             path.write_text(json.dumps(config))
@@ -188,24 +276,40 @@ def part_two(args: argparse.Namespace, model: dict[str, Any], device: str) -> di
     return tried
 
 
+def _gib(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f} GiB"
+
+
 def _section(results: dict[str, Any]) -> str:
     one, two = results["single_gpu"], results["pipeline_two_processes"]
+    memory = one["memory_vs_planner"]
 
-    def row(kind: str, label: str) -> str:
+    def row(kind: str) -> str:
         r = one[kind]
         mfu = "-" if r["mfu"] is None else f"{r['mfu'] * 100:.1f}%"
-        memory = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f} GiB"
-        return f"| {label} | {r['tokens_per_second']:,.0f} ({r['min']:,.0f}-{r['max']:,.0f}) | {mfu} | {memory} |"
+        return (f"| {LABELS[kind]} | {r['tokens_per_second']:,.0f} ({r['min']:,.0f}-{r['max']:,.0f}) | {mfu} |"
+                f" {_gib(r['peak_memory_bytes'])} |")  # fmt: skip
 
+    ratio = memory["measured_over_predicted"]
+    m = results["model"]
     return "\n".join([
         SECTION_BEGIN, "## GPU (single device)", "",
         f"`{results['command']}` on {one['device']}; torch {results['torch']}, precision {results['precision']},"
-        f" model {results['model']['n_layer']} blocks of width {results['model']['n_embd']}, sequence"
-        f" {results['model']['block_size']}, batch {results['batch_size']}.", "",
+        f" AdamW; model of {one['hybrid']['parameters']:,} parameters, {m['n_layer']} blocks of width {m['n_embd']},"
+        f" {m['n_head']} heads, vocabulary {m['vocab_size']}, sequence {m['block_size']}, batch"
+        f" {results['batch_size']}; {results['rounds']} round(s) of {results['steps']} steps per strategy, alternated,"
+        f" the first {warmup_steps('hybrid')} (compiled: {warmup_steps('hybrid_compile')}) steps of each run not"
+        " timed.", "",
         "| strategy | tokens/s (min-max) | MFU | peak memory |", "| --- | --- | --- | --- |",
-        row("hybrid", "HybridStrategy (tp=pp=dp=1)"), row("single_device", "Lightning single device"), "",
-        f"Step time ratio HybridStrategy / single device: {one['step_time_ratio']:.3f}. Pipeline of 2 processes on"
-        f" the one GPU: {two.get('backend_used', 'failed')}.", "", SECTION_END,
+        *(row(kind) for kind in KINDS), "",
+        f"Step time ratio HybridStrategy / single device: {one['step_time_ratio']:.3f} eager,"
+        f" {one['step_time_ratio_compile']:.3f} with each block compiled.", "",
+        f"The eager HybridStrategy run's `torch.cuda.max_memory_allocated()` (max over rounds) against the planner's"
+        f" peak per device (`lightning_hybrid.planning.plan`, {memory['layout']}, {results['precision']}, AdamW,"
+        " the model on the meta device); the ratio is measured / predicted:", "",
+        f"peak memory: measured {_gib(memory['measured_peak_bytes'])}, planner predicted"
+        f" {_gib(memory['predicted_peak_bytes'])} ({'-' if ratio is None else f'{ratio:.2f}x'})", "",
+        f"Pipeline of 2 processes on the one GPU: {two.get('backend_used', 'failed')}.", "", SECTION_END,
     ]) + "\n"  # fmt: skip
 
 
@@ -227,35 +331,48 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     import torch
 
+    if args.steps < warmup_steps("hybrid_compile") + 1:
+        parser.error(f"--steps must leave a timed step after the {warmup_steps('hybrid_compile')} dropped ones")
     if args.cpu_check:
-        device, model = "cpu", CPU_CHECK_MODEL
+        device, model, pipeline_model = "cpu", CPU_CHECK_MODEL, CPU_CHECK_PIPELINE_MODEL
         args.steps, args.rounds = min(args.steps, 4), 1
     elif torch.cuda.is_available():
-        device, model = "cuda", GPU_MODEL
+        device, model, pipeline_model = "cuda", GPU_MODEL, PIPELINE_MODEL
     else:
         print("no CUDA device: run with --cpu-check to check the script on CPU", file=sys.stderr)
         return 2
     args.precision = args.precision or ("bf16-mixed" if device == "cuda" else "32-true")
     begin = time.perf_counter()
-    results = {
+    results: dict[str, Any] = {
         "command": "python benchmarks/gpu_smoke.py" + (" --cpu-check" if args.cpu_check else ""),
         "torch": torch.__version__, "precision": args.precision, "model": model, "batch_size": args.batch_size,
-        "single_gpu": part_one(args, model, device),
-        "pipeline_two_processes": part_two(args, model, device),
+        "steps": args.steps, "rounds": args.rounds, "pipeline_model": pipeline_model,
+        "pipeline_batch_size": PIPELINE_BATCH, "single_gpu": part_one(args, model, device),
     }  # fmt: skip
-    results["wall_seconds"] = time.perf_counter() - begin
+    results["part_one_seconds"] = time.perf_counter() - begin
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")  # part 1 kept should part 2 hang past a device limit
+    results["pipeline_two_processes"] = part_two(args, pipeline_model, device)
+    results["wall_seconds"] = time.perf_counter() - begin
+    section = _section(results)  # built every time, --cpu-check included, so its formatting cannot rot either
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     one = results["single_gpu"]
-    for kind in ("hybrid", "single_device"):
+    for kind in KINDS:
         r = one[kind]
-        print(f"{kind:<14} {r['tokens_per_second']:12,.0f} tokens/s  MFU {r['mfu']}  peak {r['peak_memory_bytes']}")
+        mfu = "-" if r["mfu"] is None else f"{r['mfu'] * 100:.1f}%"
+        print(f"{kind:<22} {r['tokens_per_second']:12,.0f} tokens/s  MFU {mfu:>6}  peak {_gib(r['peak_memory_bytes'])}"
+              f"  warm-up {max(r['warmup_seconds']):.0f} s")  # fmt: skip
+    memory = one["memory_vs_planner"]
+    print(f"step time ratio hybrid / single device: eager {one['step_time_ratio']:.3f},"
+          f" compiled {one['step_time_ratio_compile']:.3f}")  # fmt: skip
+    print(f"peak memory: measured {_gib(memory['measured_peak_bytes'])}, planner predicted"
+          f" {_gib(memory['predicted_peak_bytes'])} ({memory['layout']})")  # fmt: skip
     print(f"pipeline of 2 on one device: {results['pipeline_two_processes'].get('backend_used', 'FAILED')}")
     if args.write_docs:
         from benchmarks.run_all import write_section_between
 
-        write_section_between(ROOT / "docs" / "benchmarks.md", SECTION_BEGIN, SECTION_END, _section(results))
-    print(f"results: {args.out} ({results['wall_seconds']:.0f} s)")
+        write_section_between(ROOT / "docs" / "benchmarks.md", SECTION_BEGIN, SECTION_END, section)
+    print(f"results: {args.out} ({results['wall_seconds']:.0f} s, part 1 {results['part_one_seconds']:.0f} s)")
     return 0 if "backend_used" in results["pipeline_two_processes"] else 1
 
 

@@ -134,17 +134,23 @@ def test_gpu_side_of_the_benchmarks_without_a_gpu() -> None:
 
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT + 60)
 def test_gpu_smoke_script_runs_on_cpu(tmp_path: Path) -> None:
-    """The single-GPU script (`benchmarks/gpu_smoke.py`) in its CPU mode: both single-device runs and the two-process
-    pipeline on one device go through every code path but CUDA's, so the script a lent GPU runs cannot rot."""
+    """The single-GPU script (`benchmarks/gpu_smoke.py`) in its CPU mode: the four single-device runs (HybridStrategy
+    and Lightning, eager and compiled), the planner's prediction and the two-process pipeline on one device go through
+    every code path but CUDA's, so the script a lent GPU runs cannot rot."""
     out = tmp_path / "gpu_smoke.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_smoke.py"), "--cpu-check", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = json.loads(out.read_text())
     one = results["single_gpu"]
-    for kind in ("hybrid", "single_device"):
+    for kind in ("hybrid", "single_device", "hybrid_compile", "single_device_compile"):
         assert one[kind]["tokens_per_second"] > 0 and one[kind]["parameters"] > 0, (kind, one[kind])
-    assert one["step_time_ratio"] > 0
+    assert one["step_time_ratio"] > 0 and one["step_time_ratio_compile"] > 0
+    memory = one["memory_vs_planner"]
+    assert memory["layout"].startswith("tp1 x pp1 x dp1 zero0"), memory
+    assert memory["predicted_peak_bytes"] > 0, memory
+    # no device memory to measure on CPU
+    assert memory["measured_peak_bytes"] is None and memory["measured_over_predicted"] is None, memory
     assert results["pipeline_two_processes"]["backend_used"] == "gloo", results["pipeline_two_processes"]
 
 
