@@ -52,6 +52,10 @@ def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: Optiona
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (layout.pipeline_parallel_size, layout.data_parallel_size, layout.tensor_parallel_size)
+    key = (shape, device_type, dist.get_backend(), timeout)
+    cached = _MESHES.get(key)
+    if cached is not None and _groups_alive(cached):
+        return cached
     override = _own_groups(shape) or {}
     if timeout is not None:
         # every dimension's groups get the timeout (DeviceMesh would give them torch's 30-minute default); a dimension
@@ -59,7 +63,24 @@ def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: Optiona
         for name, size in zip(MESH_DIM_NAMES, shape):
             if size < layout.world_size or name in override:
                 override[name] = _options(timeout)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES, backend_override=override or None)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES, backend_override=override or None)
+    _MESHES[key] = mesh
+    return mesh
+
+
+# The mesh of each layout this process built, reused by later fits of the same layout (a notebook, a sweep, a
+# `Trainer` per stage): every new mesh makes a process group per dimension, each with its threads (9 per fit under
+# gloo), which live until exit and slowed every later step of the process (Lightning's `self.log` took 1.6x as long
+# after 5 fits). Every rank builds the same layouts in the same order, so every rank hits or misses alike.
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _groups_alive(mesh: DeviceMesh) -> bool:
+    """Whether every group of ``mesh`` still exists (a script may have destroyed them, or the default group)."""
+    try:
+        return all(dist.get_rank(mesh.get_group(name)) >= 0 for name in MESH_DIM_NAMES)
+    except Exception:  # ValueError for a destroyed group (get_world_size would still answer from its cache)
+        return False
 
 
 def _own_groups(shape: tuple[int, ...]) -> Optional[dict[str, str]]:

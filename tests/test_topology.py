@@ -1,6 +1,8 @@
-"""``topology.reduce`` (what ``self.log(..., sync_dist=True)`` runs through the strategy) against torch's own
-all-reduce, on 2 real gloo processes: every op Lightning accepts, in place, integer means as Lightning's, and a group
-of one left untouched."""
+"""On 2 real gloo processes: ``topology.reduce`` (what ``self.log(..., sync_dist=True)`` runs through the strategy)
+against torch's own all-reduce (every op Lightning accepts, in place, integer means as Lightning's, a group of one left
+untouched), and ``build_device_mesh`` reusing a layout's mesh in a later fit of the same process instead of making a
+process group per dimension again (with their threads, which slowed the whole process fit after fit), and building a
+new one once those groups were destroyed."""
 
 from __future__ import annotations
 
@@ -29,13 +31,27 @@ def _worker(rank: int, store: str, results: dict) -> None:
         singles = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in the same order
         t = torch.tensor([value])
         out["single"] = reduce(t, singles[rank], "sum").item()
+        from lightning_hybrid.config import ParallelLayout
+        from lightning_hybrid.topology import build_device_mesh
+
+        layout = ParallelLayout.resolve(world_size=2, tensor_parallel_size=2)
+        first = build_device_mesh(layout, "cpu")
+        out["reused"] = build_device_mesh(layout, "cpu") is first
+        other = build_device_mesh(ParallelLayout.resolve(world_size=2), "cpu")  # data parallel: another layout
+        out["other layout"] = other is not first and other.size(1) == 2
+        for name in ("pipeline", "data", "tensor"):  # what a script (or the test launcher) may do between fits
+            dist.destroy_process_group(first.get_group(name))
+        rebuilt = build_device_mesh(layout, "cpu")
+        t = torch.ones(1)
+        dist.all_reduce(t, group=rebuilt.get_group("tensor"))
+        out["rebuilt"] = (rebuilt is not first, t.item())
         results[rank] = out
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
-def test_reduce_matches_torch_on_two_processes(tmp_path: Path) -> None:
+def test_reduce_and_mesh_reuse_on_two_processes(tmp_path: Path) -> None:
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(_worker, args=(str(tmp_path / "store"), results), nprocs=2, join=True)
@@ -46,3 +62,4 @@ def test_reduce_matches_torch_on_two_processes(tmp_path: Path) -> None:
         assert out["max"] == (2.0, True) and out["min"] == (1.0, True), out
         assert out["int-mean"] == (2, True), out
         assert out["single"] == float(rank + 1), out  # a group of one: the value itself, no collective
+        assert out["reused"] and out["other layout"] and out["rebuilt"] == (True, 2.0), out
