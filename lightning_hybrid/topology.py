@@ -73,6 +73,7 @@ def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: Optiona
 # gloo), which live until exit and slowed every later step of the process (Lightning's `self.log` took 1.6x as long
 # after 5 fits). Every rank builds the same layouts in the same order, so every rank hits or misses alike.
 _MESHES: dict[tuple, DeviceMesh] = {}
+atexit.register(_MESHES.clear)  # where the script made the default group: its groups are not held into finalization
 
 
 def _groups_alive(mesh: DeviceMesh) -> bool:
@@ -203,6 +204,7 @@ def _destroy_groups_at_exit() -> None:
     import gc
 
     compat.destroy_dist_connection()
+    _MESHES.clear()  # the cached meshes hold their groups: freed here, with the rest, not in finalization
     gc.collect()
 
 
