@@ -2,7 +2,8 @@
 against torch's own all-reduce (every op Lightning accepts, in place, integer means as Lightning's, a group of one left
 untouched), and ``build_device_mesh`` reusing a layout's mesh in a later fit of the same process instead of making a
 process group per dimension again (with their threads, which slowed the whole process fit after fit), and building a
-new one once those groups were destroyed."""
+new one once those groups were destroyed; and the point-to-point observer (the hang watchdog's) told of each transfer's
+wait exactly once."""
 
 from __future__ import annotations
 
@@ -45,9 +46,38 @@ def _worker(rank: int, store: str, results: dict) -> None:
         t = torch.ones(1)
         dist.all_reduce(t, group=rebuilt.get_group("tensor"))
         out["rebuilt"] = (rebuilt is not first, t.item())
+        out["observed"] = _observed_transfers(rank)
         results[rank] = out
     finally:
         dist.destroy_process_group()
+
+
+def _observed_transfers(rank: int) -> list[tuple[str, str, int]]:
+    """What a point-to-point observer (the hang watchdog's hook) is told about a batched send/receive, as torch's
+    schedules issue them, then a blocking one: each wait once, with its direction and peer."""
+    from lightning_hybrid.monitoring.comm import P2PObserver, observe_p2p_waits
+
+    seen: list[tuple[str, str, int]] = []
+
+    class Counting(P2PObserver):
+        def p2p_wait_begin(self, op: str, group: object, peer: int) -> int:
+            seen.append(("begin", op, peer))
+            return len(seen)
+
+        def p2p_wait_end(self, token: object, failed: bool) -> None:
+            seen.append(("end", "failed" if failed else "ok", -1))
+
+    observer = Counting()
+    observe_p2p_waits(observer)
+    try:
+        t = torch.full((4,), float(rank))
+        ops = [dist.P2POp(dist.isend if rank == 0 else dist.irecv, t, 1 - rank)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        (dist.send if rank == 1 else dist.recv)(t, 1 - rank)
+    finally:
+        observe_p2p_waits(observer, active=False)
+    return seen
 
 
 @pytest.mark.timeout(120)
@@ -57,6 +87,10 @@ def test_reduce_and_mesh_reuse_on_two_processes(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(str(tmp_path / "store"), results), nprocs=2, join=True)
     for rank in (0, 1):
         out = results[rank]
+        first, then = ("send", "recv") if rank == 0 else ("recv", "send")
+        peer = 1 - rank
+        # once per wait: a transfer observed twice (the isend inside batch_isend_irecv or a blocking send) cost 60-80 us
+        assert out["observed"] == [("begin", first, peer), ("end", "ok", -1), ("begin", then, peer), ("end", "ok", -1)]
         assert out["mean"] == (1.5, True) and out["avg"] == (1.5, True), out
         assert out["sum"] == (3.0, True) and out["None"] == (3.0, True) and out[str(dist.ReduceOp.SUM)] == (3.0, True)
         assert out["max"] == (2.0, True) and out["min"] == (1.0, True), out
