@@ -92,6 +92,8 @@ class PipelineRunner:
         self.verification: Optional[dict[str, float]] = None
         """On the rank that ran ``verify_pipeline``'s comparison: the values it compared."""
         self._hidden: Optional[Tensor] = None
+        self._sending: Optional[tuple[Any, Tensor]] = None
+        """The last stage's broadcast of the previous step's results, still in flight (work, buffer)."""
         last_rank = split.plan.owner[self.last_stage]
         self._last_global_rank = dist.get_global_rank(pp_mesh.get_group(), last_rank)
 
@@ -104,6 +106,7 @@ class PipelineRunner:
     def run(self, mode: str, batch: Any, *extra: Any) -> StepResults:
         """Run ``mode`` (``"training_step"``, ``"validation_step"``, ...) for one batch on this rank's stages; the
         step's loss or outputs and logged values, the same on every rank (log them with :meth:`StepResults.log`)."""
+        self.finish_sending()
         training = mode == "training_step"
         size = batch_size_of(batch)
         m = self.num_microbatches if training else _largest_divisor(size or 1, self.num_microbatches)
@@ -135,6 +138,14 @@ class PipelineRunner:
             for p, g in previous:  # back in place, for Lightning's zero_grad to clear or gradient accumulation to keep
                 p.grad = g
         return self._share_results(step, training)
+
+    def finish_sending(self) -> None:
+        """Wait for the last stage's broadcast of the previous step's results to leave (a no-op elsewhere); the next
+        step and the strategy's teardown call it."""
+        if self._sending is not None:
+            work, _ = self._sending
+            self._sending = None
+            work.wait()
 
     def restore_gradients(self) -> None:
         """Give back the gradients the schedule produced (see ``_take_gradients``), adding to any already there."""
@@ -378,9 +389,14 @@ class PipelineRunner:
                 packed = torch.stack([flag, loss, *(means or [])])
                 if not matches:
                     packed = torch.cat([packed, packed.new_zeros(k)])
+                # the sender does not wait for its peers to receive: it has the values already, and waiting would
+                # hold the last stage (done first in a step) until the first stage's last backward ends, then
+                # start both ranks' optimizer steps and Lightning's loop in lockstep instead of overlapped (10% of
+                # the host-overhead benchmark's step); the next step waits for it (finish_sending)
+                self._sending = (dist.broadcast(packed, src=self._last_global_rank, group=group, async_op=True), packed)
             else:
                 packed = torch.empty(2 + k, dtype=torch.float64, device=self.device)
-            dist.broadcast(packed, src=self._last_global_rank, group=group)
+                dist.broadcast(packed, src=self._last_global_rank, group=group)
             if not last:
                 matches = bool(packed[0].item())  # the step's one host read off the last stage
             if matches:
