@@ -105,8 +105,22 @@ class InputStub(_ReadsAttributesOf):
         # in __dict__, not _modules: its (meta) parameters are no part of this stage
         self.__dict__["_shadow"] = _meta_copy(module) if shadow else None
         self.__dict__["_meta_outputs"] = {}
+        self.__dict__["_quick"] = {}  # (dtype, inputs' shape, dtype, device) -> the output's shape, dtype, device
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # the common call (tensors in, one tensor out) from a table: it runs per micro-batch on every later stage
+        quick = None
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            quick = (self.dtype, *((a.shape, a.dtype, a.device) for a in args))
+            made = self.__dict__["_quick"].get(quick)
+            if made is not None:
+                return torch.zeros(made[0], dtype=made[1], device=made[2])
+        out = self._stub_output(args, kwargs)
+        if quick is not None and isinstance(out, torch.Tensor) and type(self)._meta_output is InputStub._meta_output:
+            self.__dict__["_quick"][quick] = (out.shape, out.dtype, out.device)
+        return out
+
+    def _stub_output(self, args: tuple, kwargs: dict) -> Any:
         device = next((t.device for t in tensors_in((args, kwargs))), torch.device("cpu"))
         meta = self._meta_output(args, kwargs)
         if meta is not None:
