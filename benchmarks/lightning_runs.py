@@ -138,6 +138,10 @@ def _strategy(spec: dict[str, Any], world: int) -> Any:
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         return DeepSpeedStrategy(stage=spec["zero_stage"])
+    if kind == "lightning_pipeline":  # a strategy that launches the processes and leaves the module as it is
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world)
     if kind in ("model_parallel_fsdp", "model_parallel_tp"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -146,10 +150,43 @@ def _strategy(spec: dict[str, Any], world: int) -> Any:
     raise ValueError(f"unknown Lightning contestant {kind!r}")
 
 
+class _PipelineInLightning(L.LightningModule):
+    """Lightning's loop around the plain pipeline (``benchmarks.plain_torch.PlainPipeline``), manual optimization,
+    logging what the example's ``training_step`` logs (one value, on the progress bar; the last stage's loss, zero on
+    the other stages, without a collective): the time it adds to the plain loop is the floor any Lightning strategy
+    starts from for this module (loop, hooks, progress tracking, ``self.log``, the SIGTERM broadcast before every
+    batch)."""
+
+    def __init__(self, model: dict[str, Any], schedule: str, microbatches: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model_config, self.schedule, self.microbatches = model, schedule, microbatches
+        self.pipeline: Any = None
+
+    def configure_model(self) -> None:
+        from benchmarks.plain_torch import PlainPipeline
+
+        if self.pipeline is None:
+            self.pipeline = PlainPipeline(self.model_config, schedule=self.schedule, microbatches=self.microbatches)
+            self.parts = torch.nn.ModuleList(self.pipeline.parts)
+
+    def configure_optimizers(self) -> Any:
+        return self.pipeline.optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        loss = self.pipeline.step(*batch)
+        self.log("train_loss", loss if loss is not None else torch.zeros(()), prog_bar=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def _module(spec: dict[str, Any], model: dict[str, Any]) -> L.LightningModule:
     from examples.nanogpt import NanoGPT
 
     L.seed_everything(SEED, verbose=False)
+    if spec["kind"] == "lightning_pipeline":
+        return _PipelineInLightning(model, spec["schedule"], spec["microbatches"])
     if spec["kind"] == "model_parallel_fsdp":
         return _fsdp_module(model)
     if spec["kind"] == "model_parallel_tp":
@@ -162,7 +199,7 @@ def data_parallel_size(spec: dict[str, Any], world: int) -> int:
     if spec["kind"] == "hybrid":
         s = spec.get("strategy", {})
         return world // (s.get("tensor_parallel_size", 1) * s.get("pipeline_parallel_size", 1))
-    return 1 if spec["kind"] == "model_parallel_tp" else world
+    return 1 if spec["kind"] in ("model_parallel_tp", "lightning_pipeline") else world
 
 
 def run_lightning(

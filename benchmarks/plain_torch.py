@@ -145,26 +145,41 @@ def plain_pipeline(
 ) -> list[tuple[float, float]]:
     """A plain ``torch.distributed.pipelining`` training loop over all ranks (pipeline only): (wall, CPU) seconds of
     each step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gpt = build_gpt(model)
-    stages, num_stages, parts = _stage_parts(gpt, schedule, rank, world)
-    del gpt
-    params = [p for part in parts for p in part.parameters()]
-    optimizer = adamw(params, model.get("learning_rate", 1e-3))
-    pipe = _schedule(parts, stages, num_stages, schedule, microbatches, None)
+    pipeline = PlainPipeline(model, schedule=schedule, microbatches=microbatches)
     tokens = token_batches(model["vocab_size"], model["block_size"], global_batch, steps)
-    first, last = 0 in stages, num_stages - 1 in stages
 
     def one_step(s: int) -> None:
         batch = tokens[s * global_batch : (s + 1) * global_batch].to(bench_device())
-        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        kwargs: dict[str, Any] = {"target": y, "losses": []} if last else {}
-        with bench_autocast():
-            pipe.step(*((x,) if first else ()), **kwargs)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        pipeline.step(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())
+        pipeline.optimizer.step()
+        pipeline.optimizer.zero_grad(set_to_none=True)
 
     return _timed_steps(steps, one_step)
+
+
+class PlainPipeline:
+    """This rank's stages of the example network under a plain ``torch.distributed.pipelining`` schedule over all
+    ranks, and their optimizer: what :func:`plain_pipeline` loops over, and what the Lightning-loop floor of the
+    host-overhead row runs inside ``training_step`` (``benchmarks/lightning_runs.py``)."""
+
+    def __init__(self, model: dict[str, Any], *, schedule: str, microbatches: int) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        gpt = build_gpt(model)
+        stages, num_stages, self.parts = _stage_parts(gpt, schedule, rank, world)
+        del gpt
+        self.params = [p for part in self.parts for p in part.parameters()]
+        self.optimizer = adamw(self.params, model.get("learning_rate", 1e-3))
+        self.schedule = _schedule(self.parts, stages, num_stages, schedule, microbatches, None)
+        self.first, self.last = 0 in stages, num_stages - 1 in stages
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+        """One forward and backward of the batch over the pipeline (gradients accumulate in the stages); the batch's
+        mean loss on the rank of the last stage, None elsewhere."""
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
+        with bench_autocast():
+            self.schedule.step(*((x,) if self.first else ()), **kwargs)
+        return torch.stack(losses).sum().detach() if self.last else None
 
 
 def permute_fused_qkv(linear: nn.Linear, tensor_parallel_size: int) -> None:

@@ -37,6 +37,22 @@ def _mark(ok: Optional[bool]) -> str:
     return "-" if ok is None else ("met" if ok else "**missed**")
 
 
+def _own_settings(results: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The rows measured with more steps or rounds than the rest (``benchmarks.compare.measurement``), as a
+    sentence."""
+    own = [
+        f"{name} ({s['steps_per_round']} steps, {s['rounds']} rounds)"
+        for name, s in results["summaries"].items()
+        if "error" not in s and (s["steps_per_round"], s["rounds"]) != (settings["measured"], settings["rounds"])
+    ]
+    if not own:
+        return ""
+    return (
+        " Rows whose step takes a few milliseconds, and those with a 1.00x target, are measured longer, so that"
+        f" timer and scheduler noise weigh less: {', '.join(own)}."
+    )
+
+
 def _group_sizes(comparison: dict[str, Any]) -> dict[str, int]:
     s = comparison["a"]["strategy"]
     tp, pp = s.get("tensor_parallel_size", 1), s.get("pipeline_parallel_size", 1)
@@ -116,6 +132,8 @@ def model_state_row(comparison: dict[str, Any], record: dict[str, Any]) -> Optio
 
 
 def bubble_row(comparison: dict[str, Any], record: dict[str, Any]) -> Optional[dict[str, Any]]:
+    if comparison["a"]["kind"] != "hybrid":
+        return None
     s = comparison["a"]["strategy"]
     p = s.get("pipeline_parallel_size", 1)
     inputs = record.get("theory_inputs") or []
@@ -330,7 +348,7 @@ def section(results: dict[str, Any], figures_dir: Path, causes: dict[str, str]) 
         " step (for the Lightning runs: the end of one batch to the end of the next, so data loading and hooks count;"
         " for the references without Lightning: forward, backward and optimizer step). A cell is the median over"
         f" {settings['rounds']} rounds with the min-max; the ratio is the median of the per-round ratios, so drift of"
-        " the machine between rounds cancels.",
+        " the machine between rounds cancels." + _own_settings(results, settings),
         f"Produced by `{results['command']}` in {results['wall_seconds'] / 60:.1f} min (this section; the pipeline"
         " bubble section below comes from the same command); the raw numbers are in"
         " `benchmarks/results/side_by_side.json`.",
@@ -410,6 +428,20 @@ def section(results: dict[str, Any], figures_dir: Path, causes: dict[str, str]) 
             " names it). On a GPU whose forward+backward of a micro-batch takes less than that, it is idle GPU time.",
             "",
         ]
+        floor, over = summaries.get("host_overhead_lightning_floor"), summaries.get("host_overhead_over_floor")
+        if floor and over and "ratio" in floor and "ratio" in over:
+            lines += [
+                "The same step split in two. **Lightning's loop alone** (the same plain schedule inside a"
+                " `training_step` with manual optimization, logging the example's one value: no strategy code, the"
+                " floor of any Lightning strategy for this module) takes"
+                f" **{floor['ratio']:.2f}x** ({floor['ratio_min']:.2f}-{floor['ratio_max']:.2f}) of the plain loop;"
+                f" **HybridStrategy over that floor** takes **{over['ratio']:.2f}x**"
+                f" ({over['ratio_min']:.2f}-{over['ratio_max']:.2f}): per micro-batch about"
+                f" {(over['a_median'] - over['b_median']) / mb * 1e6:.0f} us of the difference above is this"
+                f" package's and {(floor['a_median'] - floor['b_median']) / mb * 1e6:.0f} us Lightning's"
+                " (separate rows: the two need not add up to it exactly).",
+                "",
+            ]
     lines += [
         "### Communication per rank per step against the minimum",
         "",
@@ -526,8 +558,9 @@ def section(results: dict[str, Any], figures_dir: Path, causes: dict[str, str]) 
             f"- **{c['name']}**: {s['ratio']:.2f}x{noise}, CPU {s['cpu_ratio']:.2f}x, target {s['target']:.2f}x."
             f" {causes.get(c['name'], '')}"
         )
-        for text in profile_lines(records.get(c["name"], {}), results["settings"]["profiled_steps"]):
-            lines.append(f"  - {text}")
+        record = records.get(c["name"], {})
+        steps = record.get("profiled_steps", results["settings"]["profiled_steps"])  # a row may set its own
+        lines.extend(f"  - {text}" for text in profile_lines(record, steps))
     for c in errors:
         error = summaries.get(c["name"], {}).get("error", "not run")
         last = [x for x in str(error).strip().splitlines() if x.strip()][-1:] or ["not run"]
