@@ -132,7 +132,7 @@ def comparisons(device: str = "cpu") -> list[dict[str, Any]]:
         {**out[-1], "name": "host_overhead_lightning_floor", "a": floor,
          "layout": "pp=2, 1f1b, m=8, tiny model: plain pipelining inside Lightning's loop, no strategy code"},
         {**out[-1], "name": "host_overhead_over_floor", "b": floor, "layout": "pp=2, 1f1b, m=8, tiny model",
-         "reference": "plain `torch.distributed.pipelining` inside Lightning's loop (manual optimization)"},
+         "reference": "plain `torch.distributed.pipelining` inside Lightning's loop"},
     ]  # fmt: skip
     out += [{**_pipeline(4, s, 8), "group": "pp4", "reference": "plain `torch.distributed.pipelining`"}
             for s in SCHEDULES]  # fmt: skip

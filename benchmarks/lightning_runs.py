@@ -151,17 +151,21 @@ def _strategy(spec: dict[str, Any], world: int) -> Any:
 
 
 class _PipelineInLightning(L.LightningModule):
-    """Lightning's loop around the plain pipeline (``benchmarks.plain_torch.PlainPipeline``), manual optimization,
-    logging what the example's ``training_step`` logs (one value, on the progress bar; the last stage's loss, zero on
-    the other stages, without a collective): the time it adds to the plain loop is the floor any Lightning strategy
-    starts from for this module (loop, hooks, progress tracking, ``self.log``, the SIGTERM broadcast before every
-    batch)."""
+    """Lightning's loop around the plain pipeline (``benchmarks.plain_torch.PlainPipeline``), run the way the example
+    runs (automatic optimization; one value logged on the progress bar: the last stage's loss, zero on the other
+    stages, without a collective): the time it adds to the plain loop is the floor any Lightning strategy starts from
+    for this module (loop, hooks, progress tracking, the optimizer closure, ``self.log``, the SIGTERM broadcast before
+    every batch).
+
+    The schedule runs forward and backward inside ``training_step``, and Lightning's closure zeroes the gradients
+    between ``training_step`` and ``backward``: the step's gradients are held aside until ``backward``, as
+    HybridStrategy's pipeline runner does."""
 
     def __init__(self, model: dict[str, Any], schedule: str, microbatches: int) -> None:
         super().__init__()
-        self.automatic_optimization = False
         self.model_config, self.schedule, self.microbatches = model, schedule, microbatches
         self.pipeline: Any = None
+        self._held: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
 
     def configure_model(self) -> None:
         from benchmarks.plain_torch import PlainPipeline
@@ -173,12 +177,19 @@ class _PipelineInLightning(L.LightningModule):
     def configure_optimizers(self) -> Any:
         return self.pipeline.optimizer
 
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        optimizer = self.optimizers()
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.pipeline.step(*batch)
-        self.log("train_loss", loss if loss is not None else torch.zeros(()), prog_bar=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self._held = [(p, p.grad) for p in self.pipeline.params if p.grad is not None]
+        for p, _ in self._held:
+            p.grad = None
+        loss = loss if loss is not None else torch.zeros(())
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        for p, grad in self._held:  # the schedule's backward already ran
+            p.grad = grad
+        self._held = []
 
 
 def _module(spec: dict[str, Any], model: dict[str, Any]) -> L.LightningModule:

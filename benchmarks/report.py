@@ -432,8 +432,8 @@ def section(results: dict[str, Any], figures_dir: Path, causes: dict[str, str]) 
         if floor and over and "ratio" in floor and "ratio" in over:
             lines += [
                 "The same step split in two. **Lightning's loop alone** (the same plain schedule inside a"
-                " `training_step` with manual optimization, logging the example's one value: no strategy code, the"
-                " floor of any Lightning strategy for this module) takes"
+                " `training_step`, with automatic optimization and the example's one logged value as the example"
+                " has them: no strategy code, the floor of any Lightning strategy for this module) takes"
                 f" **{floor['ratio']:.2f}x** ({floor['ratio_min']:.2f}-{floor['ratio_max']:.2f}) of the plain loop;"
                 f" **HybridStrategy over that floor** takes **{over['ratio']:.2f}x**"
                 f" ({over['ratio_min']:.2f}-{over['ratio_max']:.2f}): per micro-batch about"

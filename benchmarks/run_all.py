@@ -62,14 +62,14 @@ CAUSES: dict[str, str] = {
     " blocking collective, kept: read a batch late, a rank that got SIGTERM alone would leave while its peers start"
     " a batch it never joins)." + _PER_STEP,
     "host_overhead_lightning_floor": "No HybridStrategy code runs in this row: it is Lightning's loop (hooks,"
-    " progress tracking, the `training_step` call, one `self.log`, the SIGTERM broadcast"
+    " progress tracking, the automatic optimization's closure, one `self.log`, the SIGTERM broadcast"
     " before every batch) around the plain schedule. Whatever it shows is the part of the host-overhead row that no"
     " Lightning strategy can remove." + _PER_STEP,
     "host_overhead_over_floor": "What HybridStrategy adds to Lightning's own loop, per micro-batch: the first"
     " stage's capture of the network's inputs, the last stage's rest of `training_step` (the loss) around the stage's"
     " forward, the cut's stubs and pass-through blocks, one timing record per action, the watchdog's observer of each"
-    " point-to-point wait; per step: the broadcast of the loss and logged values from the last stage, the automatic"
-    " optimization's closure, the gradient stash." + _PER_STEP,
+    " point-to-point wait; per step: the broadcast of the loss and logged values from the last stage, the gradient"
+    " stash." + _PER_STEP,
     "3d_2x2x2": "The plain script has no Lightning loop, no `self.log` with `sync_dist` and none of the per-step"
     " checks." + _PER_STEP,
 }
