@@ -49,7 +49,9 @@ CAUSES: dict[str, str] = {
     " work HybridStrategy does around it each step." + _PER_STEP,
     "tp2": "Both use torch's DTensor styles on the same layers (HybridStrategy splits the fused q|k|v with"
     " `_StridedShard`, the reference permutes the weight once: the same local matmuls)." + _PER_STEP,
-    "host_overhead": "With negligible compute the step is the Python of Lightning's loop and of the pipeline runner."
+    "host_overhead": "With negligible compute the step is the Python of Lightning's loop and of the pipeline runner;"
+    " the two rows below split it into Lightning's loop alone (`host_overhead_lightning_floor`) and what"
+    " HybridStrategy adds to it (`host_overhead_over_floor`)."
     " The runner's step is data (`lightning_hybrid/pipeline/step.py`): per micro-batch it adds, on the first stage,"
     " running `training_step` up to the network call to capture the network's inputs; on the last stage, the rest"
     " of `training_step` around the stage's forward, with `self.log` kept by a stand-in (no Lightning call); on"
