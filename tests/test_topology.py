@@ -2,8 +2,8 @@
 against torch's own all-reduce (every op Lightning accepts, in place, integer means as Lightning's, a group of one left
 untouched), and ``build_device_mesh`` reusing a layout's mesh in a later fit of the same process instead of making a
 process group per dimension again (with their threads, which slowed the whole process fit after fit), and building a
-new one once those groups were destroyed; and the point-to-point observer (the hang watchdog's) told of each transfer's
-wait exactly once."""
+new one once those groups were destroyed; ``subgroup`` reusing a group of the same ranks; and the point-to-point
+observer (the hang watchdog's) told of each transfer's wait exactly once."""
 
 from __future__ import annotations
 
@@ -47,6 +47,12 @@ def _worker(rank: int, store: str, results: dict) -> None:
         dist.all_reduce(t, group=rebuilt.get_group("tensor"))
         out["rebuilt"] = (rebuilt is not first, t.item())
         out["observed"] = _observed_transfers(rank)
+        from lightning_hybrid.topology import subgroup
+
+        pair = subgroup([0, 1])  # what a later fit asks for again (tied-weight holders): the same group, no new one
+        t = torch.ones(1)
+        dist.all_reduce(t, group=subgroup([0, 1]))
+        out["subgroup"] = (subgroup([0, 1]) is pair, subgroup([0]) is not pair, t.item())
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -87,6 +93,7 @@ def test_reduce_and_mesh_reuse_on_two_processes(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(str(tmp_path / "store"), results), nprocs=2, join=True)
     for rank in (0, 1):
         out = results[rank]
+        assert out["subgroup"] == (True, True, 2.0), out["subgroup"]
         first, then = ("send", "recv") if rank == 0 else ("recv", "send")
         peer = 1 - rank
         # once per wait: a transfer observed twice (the isend inside batch_isend_irecv or a blocking send) cost 60-80 us

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from lightning_hybrid.checkpoint.optimizer import state_dict_name
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.stage import NetworkSplit
+from lightning_hybrid.topology import subgroup
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -159,11 +160,12 @@ def find_shared_parameters(
         if holders == tuple(range(pp_size)):
             group = mesh["pipeline"].get_group()
         else:
-            # new_group is collective over all ranks, in the same order everywhere: one group per (data, tensor)
+            # collective over all ranks, in the same order everywhere: one group per (data, tensor), made once per
+            # process (a later fit of the same layout reuses them)
             for d in range(mesh["data"].size()):
                 for t in range(mesh["tensor"].size()):
                     ranks = [int(mesh.mesh[h, d, t]) for h in holders]
-                    created = dist.new_group(ranks)
+                    created = subgroup(ranks)
                     if (d, t) == coordinate:
                         group = created
         entries = [_Shared(k, mine[k][0], holders) for k in by_holders[holders] if k in mine]
