@@ -300,15 +300,23 @@ class _Patched:
         p2p = _p2p_of(self.name, self._arguments(args, kwargs))
         if self.name in ("send", "recv"):  # blocking: the call itself is the wait
             tokens, failed = _begin(p2p), True
-            _State.local.depth = 1  # torch's send/recv are isend/irecv + wait: that inner call is this one
             try:
-                result = self.original(*args, **kwargs)
+                # torch's send/recv are isend/irecv + wait: that inner call is this one, not observed again
+                result = _unobserved(self.original, *args, **kwargs)
                 failed = False
                 return result
             finally:
-                _State.local.depth = 0
                 _end(tokens, failed)
         return _wrap_work(self.original(*args, **kwargs), None, p2p)
+
+
+def _unobserved(call: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``call`` with the c10d calls it makes inside passed straight through (depth 1), for a call observed as one."""
+    _State.local.depth = 1
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _State.local.depth = 0
 
 
 def _patched_batch_isend_irecv(original: Callable) -> Callable:
@@ -319,12 +327,8 @@ def _patched_batch_isend_irecv(original: Callable) -> Callable:
         if _depth() > 0 or not (_State.meters or _State.observers):
             return original(p2p_op_list)
         if not _State.meters:  # observers only: each op's wait (one work per op, or one for a coalesced batch)
-            # depth 1: the isend/irecv calls inside are this batch's, observed here once, not wrapped twice
-            _State.local.depth = 1
-            try:
-                works = original(p2p_op_list)
-            finally:
-                _State.local.depth = 0
+            # the isend/irecv calls inside are this batch's, observed here once, at their waits
+            works = _unobserved(original, p2p_op_list)
             if not isinstance(works, list):
                 return works
             p2ps = [_batch_p2p(p2p) for p2p in p2p_op_list]

@@ -141,7 +141,8 @@ class PipelineRunner:
 
     def finish_sending(self) -> None:
         """Wait for the last stage's broadcast of the previous step's results to leave (a no-op elsewhere); the next
-        step and the strategy's teardown call it."""
+        step calls it. Teardown does not: after an error a peer may never receive it, and teardown waits on no
+        collective."""
         if self._sending is not None:
             work, _ = self._sending
             self._sending = None

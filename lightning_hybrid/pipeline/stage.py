@@ -92,6 +92,9 @@ class InputStub(_ReadsAttributesOf):
     that copy on meta inputs, so they are the module's own for any module; where that forward cannot run on meta
     (it reads values), the shape is inferred from the kind of module (embedding, linear, or the input's shape)."""
 
+    _quick_table = True
+    """Whether an output's shape, dtype and device follow from the inputs' and the stub's dtype (see ``forward``)."""
+
     def __init__(self, module: nn.Module, *, shadow: bool = True) -> None:
         super().__init__()
         self.dtype = next(module.parameters()).dtype
@@ -110,13 +113,13 @@ class InputStub(_ReadsAttributesOf):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # the common call (tensors in, one tensor out) from a table: it runs per micro-batch on every later stage
         quick = None
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        if self._quick_table and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             quick = (self.dtype, *((a.shape, a.dtype, a.device) for a in args))
             made = self.__dict__["_quick"].get(quick)
             if made is not None:
                 return torch.zeros(made[0], dtype=made[1], device=made[2])
         out = self._stub_output(args, kwargs)
-        if quick is not None and isinstance(out, torch.Tensor) and type(self)._meta_output is InputStub._meta_output:
+        if quick is not None and isinstance(out, torch.Tensor):
             self.__dict__["_quick"][quick] = (out.shape, out.dtype, out.device)
         return out
 
@@ -207,6 +210,8 @@ class _LiveInputStub(InputStub):
     """An input stub for an input module this rank holds (the first stage on the rank of a later one): the output
     dtype is the module's at each call, as a stub built per forward had (FSDP2 swaps in parameters of another dtype
     while a module is unsharded)."""
+
+    _quick_table = False  # the held module's dtype decides, read at every call
 
     def __init__(self, module: nn.Module) -> None:
         # no meta copy: attributes are read from the held module itself
