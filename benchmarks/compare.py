@@ -133,6 +133,10 @@ def comparisons(device: str = "cpu") -> list[dict[str, Any]]:
          "layout": "pp=2, 1f1b, m=8, tiny model: plain pipelining inside Lightning's loop, no strategy code"},
         {**out[-1], "name": "host_overhead_over_floor", "b": floor, "layout": "pp=2, 1f1b, m=8, tiny model",
          "reference": "plain `torch.distributed.pipelining` inside Lightning's loop"},
+        # the floor again without its two largest per-step costs (Lightning's `self.log` and its per-batch SIGTERM
+        # broadcast): an ablation, to show which parts of Lightning's loop alone exceed the 1.05x budget
+        {**out[-1], "name": "host_overhead_lightning_floor_bare", "a": {**floor, "bare": True},
+         "layout": "pp=2, 1f1b, m=8, tiny model: the floor without `self.log` and the per-batch SIGTERM broadcast"},
     ]  # fmt: skip
     out += [{**_pipeline(4, s, 8), "group": "pp4", "reference": "plain `torch.distributed.pipelining`"}
             for s in SCHEDULES]  # fmt: skip

@@ -159,11 +159,14 @@ class _PipelineInLightning(L.LightningModule):
 
     The schedule runs forward and backward inside ``training_step``, and Lightning's closure zeroes the gradients
     between ``training_step`` and ``backward``: the step's gradients are held aside until ``backward``, as
-    HybridStrategy's pipeline runner does."""
+    HybridStrategy's pipeline runner does.
 
-    def __init__(self, model: dict[str, Any], schedule: str, microbatches: int) -> None:
+    ``log=False`` leaves out the ``self.log`` (the ablation row that measures what Lightning's loop costs without it
+    and without the per-batch SIGTERM broadcast, see :func:`run_lightning`)."""
+
+    def __init__(self, model: dict[str, Any], schedule: str, microbatches: int, log: bool = True) -> None:
         super().__init__()
-        self.model_config, self.schedule, self.microbatches = model, schedule, microbatches
+        self.model_config, self.schedule, self.microbatches, self.log_loss = model, schedule, microbatches, log
         self.pipeline: Any = None
         self._held: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
 
@@ -183,7 +186,8 @@ class _PipelineInLightning(L.LightningModule):
         for p, _ in self._held:
             p.grad = None
         loss = loss if loss is not None else torch.zeros(())
-        self.log("train_loss", loss, prog_bar=True)
+        if self.log_loss:
+            self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -197,7 +201,7 @@ def _module(spec: dict[str, Any], model: dict[str, Any]) -> L.LightningModule:
 
     L.seed_everything(SEED, verbose=False)
     if spec["kind"] == "lightning_pipeline":
-        return _PipelineInLightning(model, spec["schedule"], spec["microbatches"])
+        return _PipelineInLightning(model, spec["schedule"], spec["microbatches"], log=not spec.get("bare", False))
     if spec["kind"] == "model_parallel_fsdp":
         return _fsdp_module(model)
     if spec["kind"] == "model_parallel_tp":
@@ -247,6 +251,10 @@ def run_lightning(
         limit_val_batches=0,
     )
     module = _module(spec, model)
+    if spec.get("bare"):
+        # the ablation row: Lightning's loop without its per-batch broadcast of rank 0's SIGTERM flag (a blocking
+        # collective before every batch; the module does not log either), to measure what those two cost
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=global_batch // dp, drop_last=True))
     times = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(clock.ends, clock.ends[1:])]
     extra: dict[str, Any] = {"peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None}

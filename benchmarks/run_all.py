@@ -67,6 +67,10 @@ CAUSES: dict[str, str] = {
     " progress tracking, the automatic optimization's closure, one `self.log`, the SIGTERM broadcast"
     " before every batch) around the plain schedule. Whatever it shows is the part of the host-overhead row that no"
     " Lightning strategy can remove." + _PER_STEP,
+    "host_overhead_lightning_floor_bare": "An ablation of the floor, no HybridStrategy code: Lightning's loop around"
+    " the plain schedule with the module's `self.log` left out and the epoch loop's per-batch SIGTERM broadcast made a"
+    " no-op. What it still shows over the plain loop is the rest of Lightning's loop (the data fetcher and"
+    " DistributedSampler, hooks, progress tracking, the optimizer closure)." + _PER_STEP,
     "host_overhead_over_floor": "What HybridStrategy adds to Lightning's own loop, per micro-batch: the first"
     " stage's capture of the network's inputs, the last stage's rest of `training_step` (the loss) around the stage's"
     " forward, the cut's stubs and pass-through blocks, one timing record per action, the watchdog's observer of each"

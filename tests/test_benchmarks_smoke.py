@@ -54,7 +54,8 @@ def test_pipeline_bubble_smoke(tmp_path: Path) -> None:
 # sizes: the limit below only stops a hang (a run took 5 min with the 2 cores shared by ~40 runnable processes).
 SIDE_BY_SIDE_TIMEOUT = 600
 SMOKE_COMPARISONS = ["dp2_zero0", "dp2_zero2", "dp2_zero3", "tp2", "pp2_1f1b", "pp2_zbv_zero_bubble", "host_overhead",
-                     "host_overhead_lightning_floor", "host_overhead_over_floor", "3d_2x2x2"]  # fmt: skip
+                     "host_overhead_lightning_floor", "host_overhead_over_floor", "host_overhead_lightning_floor_bare",
+                     "3d_2x2x2"]  # fmt: skip
 
 
 @pytest.mark.timeout(SIDE_BY_SIDE_TIMEOUT + 60)
