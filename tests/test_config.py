@@ -469,6 +469,48 @@ def test_measure_model_state_bytes_after_an_adam_step():
     assert after == {**expected_model_state_bytes(58, zero_stage=0, data_parallel_size=1), "total": 928}
 
 
+@pytest.mark.parametrize("dp", [2, 3])
+def test_zero2_bucket_spans_groups_with_one_reduction_per_owner(dp):
+    """A ZeRO-2 bucket may hold parameters of several optimizer groups (decay and no-decay alternate in every block):
+    its buffer is ordered by the rank that owns each piece, so it is one contiguous reduction per owner; each element
+    of each group's flat buffer lands in exactly one run, at the place the parameter's gradient is added."""
+    from lightning_hybrid.sharding.zero import _ShardBucket
+
+    torch.manual_seed(0)
+    sizes = {"decay": [12, 7, 30], "rest": [5, 9, 4]}
+    groups = {k: [nn.Parameter(torch.randn(n)) for n in v] for k, v in sizes.items()}
+    flat = {k: torch.zeros(sum(v)) for k, v in sizes.items()}
+    shards = [-(-sum(sizes[k]) // dp) for k in ("decay", "rest")]  # ceil: the last rank's slice is padded
+    offsets = {
+        id(p): (gi, sum(sizes[k][:i])) for gi, k in enumerate(("decay", "rest")) for i, p in enumerate(groups[k])
+    }
+    # backward order, alternating groups as in a transformer block
+    order = [groups["rest"][2], groups["decay"][2], groups["rest"][1], groups["decay"][1], groups["rest"][0],
+             groups["decay"][0]]  # fmt: skip
+    bucket = _ShardBucket(0, [(p, *offsets[id(p)]) for p in order], shards)
+
+    # one range per owner, in rank order, tiling the buffer
+    assert [q for q, _, _ in bucket.owners] == sorted({lo // shards[g] for _, g, lo, _, _ in bucket.runs})
+    ends = [0] + [hi for _, _, hi in bucket.owners]
+    assert [lo for _, lo, _ in bucket.owners] == ends[:-1] and ends[-1] == bucket.numel == sum(map(sum, sizes.values()))
+    buffer = torch.zeros(bucket.numel)
+    for i, p in enumerate(bucket.params):  # what the gradient hook does
+        for at, offset, n in bucket.slots[i]:
+            buffer[at : at + n].add_(p.detach()[offset : offset + n])
+    for q, lo, hi in bucket.owners:  # each owner's range holds only its own slices' elements
+        assert all(r[0] == q for r in bucket.runs if lo <= r[4] < hi)
+    names = ("decay", "rest")
+    for q, g, lo, hi, at in bucket.runs:  # what the owner adds into its slices
+        assert lo // shards[g] == q and (hi - 1) // shards[g] == q
+        flat[names[g]][lo:hi] += buffer[at : at + hi - lo]
+    for k in names:
+        torch.testing.assert_close(flat[k], torch.cat([p.detach() for p in groups[k]]), rtol=0, atol=0)
+    params, views = bucket.views(buffer)  # the tensor-parallel sync's view: each parameter whole, in element order
+    for p in bucket.params:
+        got = torch.cat([v for q, v in zip(params, views) if q is p])
+        torch.testing.assert_close(got, p.detach(), rtol=0, atol=0)
+
+
 def test_measure_model_state_bytes_counts_tied_parameters_once():
     module = nanogpt(tie_weights=True, n_layer=1)
     numel = sum(p.numel() for p in module.parameters())  # parameters() already removes the duplicate

@@ -410,42 +410,73 @@ def _nominal_bytes(p: nn.Parameter) -> int:
 
 
 class _ShardBucket:
-    """A contiguous range ``[start, end)`` of one flat group (whole parameters), reduced to the owners of its
-    elements (the data-parallel ranks whose shards it overlaps) once every parameter in it has reported."""
+    """Parameters that come one after another in backward order (of any optimizer group), reduced to the owners of
+    their elements (the data-parallel ranks whose shards hold them) once every one of them has reported.
 
-    def __init__(self, index: int, group: int, params: list[nn.Parameter], start: int, shard: int, dp: int) -> None:
-        self.index, self.group, self.params, self.start = index, group, params, start
-        self.spans: list[tuple[int, int]] = []  # each parameter's range, relative to start
-        offset = 0
-        for p in params:
-            n = local_tensor(p).numel()
-            self.spans.append((offset, offset + n))
-            offset += n
-        self.numel = offset
-        end = start + offset
-        # (data rank, flat start, flat stop): the pieces of the range inside each rank's shard
-        self.pieces = [
-            (q, max(start, q * shard), min(end, (q + 1) * shard))
-            for q in range(dp)
-            if max(start, q * shard) < min(end, (q + 1) * shard)
-        ]
+    The buffer is laid out by owner: rank 0's pieces first, then rank 1's, ..., and within an owner by flat group and
+    flat offset, so the bucket is one ``dist.reduce`` per owner whatever groups its parameters come from, and each
+    owner adds a few contiguous runs into its shard. (Cutting buckets at every change of optimizer group instead gave
+    the example's decay / no-decay groups 35 buckets of one to three parameters: 35 collectives per backward pass.)"""
+
+    def __init__(self, index: int, members: list[tuple[nn.Parameter, int, int]], shards: list[int]) -> None:
+        # members: (parameter, flat group, flat offset) in backward order; shards: each group's shard size
+        self.index = index
+        self.params = [p for p, _, _ in members]
+        cut = []  # (owner, group, flat lo, flat hi, parameter index, offset in the parameter)
+        for i, (p, g, offset) in enumerate(members):
+            lo, end = offset, offset + local_tensor(p).numel()
+            while lo < end:  # a parameter across a shard boundary has a piece on each side
+                q = lo // shards[g]
+                hi = min(end, (q + 1) * shards[g])
+                cut.append((q, g, lo, hi, i, lo - offset))
+                lo = hi
+        cut.sort(key=lambda c: c[:3])
+        self.slots: list[list[tuple[int, int, int]]] = [[] for _ in members]  # per parameter: (at, offset, length)
+        self.runs: list[list[int]] = []  # [owner, group, flat lo, flat hi, at]: contiguous in the buffer and the shard
+        self.owners: list[tuple[int, int, int]] = []  # (owner, lo, hi) in the buffer: one reduction each
+        at = 0
+        for q, g, lo, hi, i, offset in cut:
+            self.slots[i].append((at, offset, hi - lo))
+            run = self.runs[-1] if self.runs else None
+            if run is not None and run[:2] == [q, g] and run[3] == lo:
+                run[3] = hi
+            else:
+                self.runs.append([q, g, lo, hi, at])
+            if self.owners and self.owners[-1][0] == q:
+                self.owners[-1] = (q, self.owners[-1][1], at + hi - lo)
+            else:
+                self.owners.append((q, at, at + hi - lo))
+            at += hi - lo
+        self.numel = at
         self.buffer: Optional[Tensor] = None  # allocated when the pass's first gradient arrives, freed once reduced
         self.reported: set[int] = set()
         self.handles: list[Any] = []
         self.launches = 0
         self.launched_in_backward = 0
 
+    def views(self, buffer: Tensor) -> tuple[list[nn.Parameter], list[Tensor]]:
+        """Each parameter's gradient in ``buffer`` as its pieces, parameter by parameter and in element order (a
+        parameter across a shard boundary is listed once per piece): what the tensor-parallel sync reads."""
+        params, views = [], []
+        for p, slots in zip(self.params, self.slots):
+            for at, _, n in sorted(slots, key=lambda s: s[1]):
+                params.append(p)
+                views.append(buffer[at : at + n])
+        return params, views
+
 
 class ShardedGradientBuckets(_InOrderLaunch):
     """ZeRO-2 gradient reduction in buckets during every backward pass, so that no rank holds more than its gradient
     shard plus the buckets in flight (DeepSpeed's stage 2 design, with DDP's bucket order):
 
-    * each parameter group's flat buffer (the ZeRO-1/2 layout: rank ``d`` owns the contiguous slice ``d``) is cut
-      into buckets of whole parameters, of about ``bucket_cap_mb``, in reverse order (the first at most 1 MiB);
+    * the parameters, in the order backward produces their gradients (the model's, reversed), are cut into buckets
+      of whole parameters of about ``bucket_cap_mb`` (the first at most 1 MiB), across optimizer groups; each
+      group's flat buffer keeps the ZeRO-1/2 layout (rank ``d`` owns its contiguous slice ``d``), and a bucket's
+      buffer is its parameters' pieces ordered by the rank that owns them;
     * a post-accumulate-grad hook adds a parameter's gradient into its bucket (in the shard's dtype: fp32 under
       '-true' precisions) and frees autograd's tensor (``p.grad = None``);
     * once every parameter of the next bucket has reported, its pieces are reduced, asynchronously, to the ranks
-      whose shards hold them (``dist.reduce``: one collective per owner, usually one per bucket). Buckets start in
+      whose shards hold them (``dist.reduce``: one collective per owner, at most dp per bucket). Buckets start in
       order on every rank; at most ``MAX_IN_FLIGHT`` are in flight: starting one more first waits for the oldest,
       which its owner adds into its shard accumulator and every rank frees. The rest start when backward ends. So
       a rank holds its shard plus at most ``MAX_IN_FLIGHT + 1`` bucket buffers (those in flight and the one
@@ -490,41 +521,29 @@ class ShardedGradientBuckets(_InOrderLaunch):
         self.flat_groups = groups
         cap = int(bucket_cap_mb * 2**20)
         limit = min(cap, self.FIRST_BUCKET_BYTES)
-        where = {id(p): (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g.params)}
-        offsets = []
-        for g in groups:
-            offsets.append([0])
+        where: dict[int, tuple[int, int]] = {}  # parameter -> (flat group, flat offset)
+        for gi, g in enumerate(groups):
+            offset = 0
             for p in g.params:
-                offsets[-1].append(offsets[-1][-1] + local_tensor(p).numel())
-        # the model's order, reversed, is the order backward produces gradients; optimizer groups (decay / no decay)
-        # interleave in it, so a bucket is a run of parameters adjacent both there and in one group's flat buffer
+                where[id(p)] = (gi, offset)
+                offset += local_tensor(p).numel()
+        shards = [g.shard_size for g in groups]
+        # the model's order, reversed, is the order backward produces gradients; a bucket is a run of it, whichever
+        # optimizer groups (decay / no decay) its parameters belong to
         known = {id(p) for p in parameter_order or []}
         order = [p for g in groups for p in g.params if id(p) not in known]  # not in the model: reported last
         order += [p for p in dict.fromkeys(parameter_order or []) if id(p) in where]
         self.buckets: list[_ShardBucket] = []
-        current: list[int] = []  # indices into one group's parameters, in reverse
-        current_group, size = -1, 0
-
-        def close() -> None:
-            nonlocal current, size, limit
-            if current:
-                first = current[-1]
-                params = [groups[current_group].params[i] for i in reversed(current)]
-                start = offsets[current_group][first]
-                shard = groups[current_group].shard_size
-                self.buckets.append(_ShardBucket(len(self.buckets), current_group, params, start, shard, dp))
-                current, size, limit = [], 0, cap
-
+        current: list[tuple[nn.Parameter, int, int]] = []
+        size = 0
         for p in reversed(order):
-            gi, i = where[id(p)]
-            if current and (gi != current_group or i != current[-1] - 1):
-                close()
-            current_group = gi
-            current.append(i)
+            current.append((p, *where[id(p)]))
             size += _nominal_bytes(p)
             if size >= limit:  # DDP's rule: a bucket closes once it reaches the cap (a larger parameter fills one)
-                close()
-        close()
+                self.buckets.append(_ShardBucket(len(self.buckets), current, shards))
+                current, size, limit = [], 0, cap
+        if current:
+            self.buckets.append(_ShardBucket(len(self.buckets), current, shards))
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         first = next((p for g in groups for p in g.params), None)
         self.dtype = dtype or (local_tensor(first).dtype if first is not None else torch.float32)
@@ -542,7 +561,9 @@ class ShardedGradientBuckets(_InOrderLaunch):
             self._host = [torch.zeros(g.shard_size, dtype=self.dtype, pin_memory=True) for g in groups]
         self._owned = [0] * len(groups)  # elements of this rank's shard that the buckets cover, per group
         for b in self.buckets:
-            self._owned[b.group] += sum(hi - lo for q, lo, hi in b.pieces if q == dp_rank)
+            for q, g, lo, hi, _ in b.runs:
+                if q == dp_rank:
+                    self._owned[g] += hi - lo
         self._copied = [0] * len(groups)
         self._armed = False
 
@@ -577,8 +598,9 @@ class ShardedGradientBuckets(_InOrderLaunch):
         g = _autograd_local_grad(p)
         if g is None:
             return
-        lo, hi = b.spans[i]
-        self._buffer(b)[lo:hi].add_(g.reshape(-1))  # casts to the shard's dtype (fp32 under '-true' precisions)
+        flat, buffer = g.reshape(-1), self._buffer(b)
+        for at, offset, n in b.slots[i]:  # casts to the shard's dtype (fp32 under '-true' precisions)
+            buffer[at : at + n].add_(flat[offset : offset + n])
         p.grad = None  # the bucket holds it now: autograd's tensor is freed at once
         self._report(b, i)
 
@@ -588,11 +610,10 @@ class ShardedGradientBuckets(_InOrderLaunch):
             self._settle(self._in_flight.pop(0))
         buffer = self._buffer(b)  # a parameter that got no gradient on this rank contributes zeros
         if self.tensor_sync is not None:
-            self.tensor_sync.sync_views(b.params, [buffer[lo:hi] for lo, hi in b.spans])
-        for q, lo, hi in b.pieces:
+            self.tensor_sync.sync_views(*b.views(buffer))
+        for q, lo, hi in b.owners:
             dst = dist.get_global_rank(self.group, q)
-            piece = buffer[lo - b.start : hi - b.start]
-            b.handles.append(dist.reduce(piece, dst, group=self.group, async_op=True))
+            b.handles.append(dist.reduce(buffer[lo:hi], dst, group=self.group, async_op=True))
         b.launches += 1
         b.launched_in_backward += int(in_backward)
         self._next += 1
@@ -603,17 +624,17 @@ class ShardedGradientBuckets(_InOrderLaunch):
         for handle in b.handles:
             handle.wait()
         b.handles = []
-        shard = self.flat_groups[b.group].shard_size
-        base = self.dp_rank * shard
-        for q, lo, hi in b.pieces:
+        for q, g, lo, hi, at in b.runs:
             if q == self.dp_rank and b.buffer is not None:
-                acc = self._accumulators[b.group]
+                shard = self.flat_groups[g].shard_size
+                base = self.dp_rank * shard
+                acc = self._accumulators[g]
                 if acc is None:
-                    acc = self._accumulators[b.group] = torch.zeros(shard, dtype=self.dtype, device=self.device)
-                acc[lo - base : hi - base].add_(b.buffer[lo - b.start : hi - b.start])
+                    acc = self._accumulators[g] = torch.zeros(shard, dtype=self.dtype, device=self.device)
+                acc[lo - base : hi - base].add_(b.buffer[at : at + hi - lo])
                 if self._host is not None and self._armed:  # final for this step: to host memory, not waited for
-                    self._host[b.group][lo - base : hi - base].copy_(acc[lo - base : hi - base], non_blocking=True)
-                    self._copied[b.group] += hi - lo
+                    self._host[g][lo - base : hi - base].copy_(acc[lo - base : hi - base], non_blocking=True)
+                    self._copied[g] += hi - lo
         b.buffer = None
         b.reported.clear()
 
