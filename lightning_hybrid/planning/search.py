@@ -11,6 +11,7 @@ from lightning_hybrid.planning.hardware import GB, Hardware
 from lightning_hybrid.planning.ledger import PRECISION_BYTES, Ledger, state_bytes_per_parameter
 from lightning_hybrid.planning.model import ModelSpec
 from lightning_hybrid.planning.steptime import StepTime, estimate_step_time
+from lightning_hybrid.sharding.zero import ShardedGradientBuckets
 
 __all__ = ["Candidate", "Evaluated", "Setup", "decision_rule", "evaluate", "rank", "search"]
 
@@ -109,7 +110,9 @@ def _stage_ledger(spec: ModelSpec, setup: Setup, c: Candidate, first: bool, last
         gathered = blocks if p > 1 else 2
         buffers["zero3_gather"] = gathered * spec.layer_params / t * act_bytes * (d - 1) / d
     if d > 1 and c.zero_stage in (1, 2, 3):
-        buffers["buckets"] = 2 * BUCKET_BYTES
+        # ZeRO-2 without a pipeline reduces bucket by bucket during backward: those in flight and the one filling
+        in_use = ShardedGradientBuckets.MAX_IN_FLIGHT + 1 if c.zero_stage == 2 and p == 1 else 2
+        buffers["buckets"] = in_use * BUCKET_BYTES
     ledger = Ledger(per["parameters"] * numel, per["gradients"] * numel, per["master"] * numel,
                     per["optimizer"] * numel, activations, sum(buffers.values()))  # fmt: skip
     return ledger, {"buffers": buffers, "in_flight": flight, "numel": numel}
