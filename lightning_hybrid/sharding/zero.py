@@ -448,6 +448,10 @@ class _ShardBucket:
                 self.owners.append((q, at, at + hi - lo))
             at += hi - lo
         self.numel = at
+        # what the tensor-parallel sync reads: each parameter's pieces, parameter by parameter, in element order
+        self._sync_order = [
+            (p, a, n) for p, slots in zip(self.params, self.slots) for a, _, n in sorted(slots, key=lambda s: s[1])
+        ]
         self.buffer: Optional[Tensor] = None  # allocated when the pass's first gradient arrives, freed once reduced
         self.reported: set[int] = set()
         self.handles: list[Any] = []
@@ -457,12 +461,7 @@ class _ShardBucket:
     def views(self, buffer: Tensor) -> tuple[list[nn.Parameter], list[Tensor]]:
         """Each parameter's gradient in ``buffer`` as its pieces, parameter by parameter and in element order (a
         parameter across a shard boundary is listed once per piece): what the tensor-parallel sync reads."""
-        params, views = [], []
-        for p, slots in zip(self.params, self.slots):
-            for at, _, n in sorted(slots, key=lambda s: s[1]):
-                params.append(p)
-                views.append(buffer[at : at + n])
-        return params, views
+        return [p for p, _, _ in self._sync_order], [buffer[at : at + n] for _, at, n in self._sync_order]
 
 
 class ShardedGradientBuckets(_InOrderLaunch):
