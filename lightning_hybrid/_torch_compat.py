@@ -49,6 +49,11 @@ __all__ = [
     "resolve_process_group",
     "strided_shard",
     "tensor_version",
+    "META_SKIPPING_INITIALIZERS",
+    "device_constructors",
+    "storage_identity",
+    "tree_flatten",
+    "tree_map",
 ]
 
 # --- DTensor --------------------------------------------------------------------------------------------------------
@@ -312,3 +317,35 @@ def module_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     unsharded tensors in) without walking the tree. Checked on torch 2.11 and 2.13. Public replacement:
     ``module.named_parameters(recurse=False)`` (a generator per call, slower per step)."""
     return module._parameters  # type: ignore[return-value]
+
+
+# --- recording a construction on the meta device (construction/record.py) --------------------------------------------
+
+# ``torch.utils._pytree.tree_flatten`` / ``tree_map``: walk the nested arguments of an ATen call. Checked on torch 2.11
+# and 2.13. Public replacement: ``torch.utils.pytree`` (public from torch 2.11 on as an alias, not yet in every
+# release this package supports with the same functions); switch once the lower bound has it.
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
+
+
+def device_constructors() -> set[Any]:
+    """``torch.utils._device._device_constructors()``: the factory functions that ``torch.device(...)`` as a context
+    redirects. Checked on torch 2.11 and 2.13. Public replacement: none (``torch.device`` as a context manager uses
+    it internally)."""
+    from torch.utils._device import _device_constructors
+
+    return set(_device_constructors())
+
+
+def storage_identity(t: Tensor) -> int:
+    """``t.untyped_storage()._cdata``: the address of the storage behind ``t``, shared by all its views, also on the
+    meta device (where ``data_ptr()`` is 0 for every tensor). Checked on torch 2.11 and 2.13. Public replacement:
+    none for meta tensors."""
+    return t.untyped_storage()._cdata
+
+
+# ``torch.nn.init``'s functions that return a meta tensor untouched (their sampling reads values: rejection in
+# ``trunc_normal_``, a QR decomposition in ``orthogonal_``), looked up by name through the module's globals, so that
+# a recording can stand in for them also where a model imported the public function itself
+# (``_no_grad_trunc_normal_`` is what the public ``trunc_normal_`` calls). Checked on torch 2.11 and 2.13. Public
+# replacement: none.
+META_SKIPPING_INITIALIZERS = ("_no_grad_trunc_normal_", "dirac_", "orthogonal_", "sparse_")

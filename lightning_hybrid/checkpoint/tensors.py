@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_hybrid._torch_compat import compute_local_shape_and_global_offset, is_strided_shard
 from lightning_hybrid.dtensor import like
 
-__all__ = ["LoadPlan", "conflicting_entries", "dcp_ready", "full_tensor", "plan_load"]
+__all__ = ["LoadPlan", "conflicting_entries", "copy_local_part", "dcp_ready", "full_tensor", "plan_load"]
 
 
 def _fused_index(t: DTensor) -> Optional[int]:
@@ -148,7 +148,7 @@ class LoadPlan:
     def finish(self) -> None:
         """Copy each temporary's local part into its live tensor (after ``dcp.load``)."""
         for item in self.deferred:
-            _copy_local_part(item.full, item.target)
+            copy_local_part(item.full, item.target)
 
 
 def plan_load(targets: dict[str, Any], metadata: Metadata, describe: dict[str, str] | None = None) -> LoadPlan:
@@ -192,7 +192,7 @@ def plan_load(targets: dict[str, Any], metadata: Metadata, describe: dict[str, s
     return LoadPlan(request, deferred, errors)
 
 
-def _copy_local_part(full: Tensor, target: Union[Tensor, DTensor]) -> None:
+def copy_local_part(full: Tensor, target: Union[Tensor, DTensor]) -> None:
     view = dcp_ready(target)
     whole = full.reshape(view.shape)
     if not isinstance(view, DTensor):

@@ -1,0 +1,119 @@
+"""Give a module split and sharded on the meta device its real tensors: allocate this rank's shards, then replay the
+recorded construction and copy each tensor's local part in as soon as its value is final.
+
+The targets are taken before the model is split (:func:`construction_targets`), as (owning module, attribute) pairs:
+tensor parallel and ZeRO-3 replace a parameter by a DTensor on the same module, so the pair still finds it after the
+split, and the pipeline cut drops whole blocks, whose pairs then find nothing and are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hybrid.construction.record import ConstructionRecord, StorageView
+from lightning_hybrid.construction.replay import ReplayReport, replay
+
+__all__ = ["ConstructionTargets", "allocate", "construction_targets", "has_meta_tensors", "materialize"]
+
+
+@dataclass(frozen=True)
+class _Target:
+    owner: nn.Module
+    attribute: str
+    kind: str  # "parameter", "buffer" or "attribute" (a plain tensor attribute of a module)
+    view: StorageView
+    name: str  # the fully qualified name, for messages
+
+
+@dataclass
+class ConstructionTargets:
+    """The meta tensors of a module, by storage, with the record that can rebuild them."""
+
+    record: ConstructionRecord
+    by_storage: dict[int, list[_Target]]
+    unknown: list[str]
+    """Meta tensors the record did not make (built on meta outside the strategy's construction context)."""
+
+    def name_of(self, key: int) -> str:
+        return self.by_storage[key][0].name
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in _tensors(module))
+
+
+def _tensors(module: nn.Module) -> Iterable[Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def construction_targets(module: nn.Module, record: ConstructionRecord) -> ConstructionTargets:
+    """Every meta parameter, buffer and tensor attribute of ``module``, by the storage the record knows it by."""
+    by_storage: dict[int, list[_Target]] = {}
+    unknown: list[str] = []
+    seen: set[tuple[int, str]] = set()
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        named = [
+            *(("parameter", n, t) for n, t in owner.named_parameters(recurse=False, remove_duplicate=False)),
+            *(("buffer", n, t) for n, t in owner.named_buffers(recurse=False, remove_duplicate=False)),
+            *(("attribute", n, t) for n, t in vars(owner).items() if isinstance(t, Tensor) and not n.startswith("_")),
+        ]
+        for kind, attribute, t in named:
+            if t is None or not t.is_meta or (id(owner), attribute) in seen:
+                continue
+            seen.add((id(owner), attribute))
+            name = f"{prefix}.{attribute}" if prefix else attribute
+            if not record.knows(t):
+                unknown.append(name)
+                continue
+            view = StorageView.of(t)
+            by_storage.setdefault(view.storage, []).append(_Target(owner, attribute, kind, view, name))
+    return ConstructionTargets(record, by_storage, unknown)
+
+
+def allocate(module: nn.Module, device: torch.device) -> None:
+    """Real, uninitialized storage for every meta tensor this rank still holds (its shards: DTensors allocate their
+    local part), through ``nn.Module._apply`` as ``to_empty`` does, so that FSDP2 sees the change; real tensors are
+    left as they are."""
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    for owner in module.modules():
+        for attribute, t in list(vars(owner).items()):
+            if isinstance(t, Tensor) and t.is_meta and not attribute.startswith("_"):
+                setattr(owner, attribute, torch.empty_like(t, device=device))
+
+
+def materialize(module: nn.Module, targets: ConstructionTargets, device: torch.device) -> ReplayReport:
+    """Allocate ``module``'s local shards on ``device`` and fill them with the values one device's construction
+    gives.
+
+    Example:
+        >>> from lightning_hybrid.construction import record_construction
+        >>> _ = torch.manual_seed(0)
+        >>> with record_construction() as record:
+        ...     net = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
+        >>> _ = materialize(net, construction_targets(net, record), torch.device("cpu"))
+        >>> _ = torch.manual_seed(0)
+        >>> torch.equal(net[0].weight, nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))[0].weight)
+        True
+    """
+    from lightning_hybrid.checkpoint.tensors import copy_local_part
+
+    allocate(module, device)
+    held = {id(m) for m in module.modules()}
+
+    def fill(key: int, view: object) -> None:
+        for target in targets.by_storage[key]:
+            if id(target.owner) not in held:
+                continue  # in a block another pipeline rank holds
+            current = getattr(target.owner, target.attribute)
+            if current is None or not isinstance(current, Tensor):
+                continue
+            with torch.no_grad():
+                value = view(target.view)  # type: ignore[operator]
+                copy_local_part(value.to(current.dtype), current.detach() if current.requires_grad else current)
+
+    return replay(targets.record, device, targets.by_storage, fill)
