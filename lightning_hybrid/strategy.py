@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -30,6 +31,7 @@ from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.strategy_io import CheckpointHooks
 from lightning_hybrid.config import ParallelLayout, StrategyOptions
+from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import skip_finished_batches
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
@@ -174,6 +176,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         self._pipeline: Optional[PipelineRunner] = None
         self._gradient_step: Optional[GradientStep] = None
         self._backward_sync_blocked = False
+        self._deferred = DeferredConstruction()
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ precision
@@ -252,6 +255,21 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
 
     # ------------------------------------------------------------------ model set-up
     @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """What ``configure_model`` and ``trainer.init_module()`` build is made on the meta device and its
+        construction recorded; ``setup`` splits and shards it there, then gives each rank only its shards, with the
+        values one device's construction gives (``construction/``, docs/big-models.md). ``empty_init`` changes
+        nothing: weights are never left as uninitialized memory."""
+        device_type = self.root_device.type if self.parallel_devices else "cpu"
+        # after setup_environment's seed reset (configure_model), one device's construction moves the generator;
+        # before it (trainer.init_module()), the reset discards what the construction drew
+        after_seed_reset = self._topology is not None
+        with self._deferred.recording(device_type, after_seed_reset=after_seed_reset):
+            with self.precision_plugin.tensor_init_context():
+                yield
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
@@ -269,7 +287,11 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
                 compile=self._options.compile,
                 layer_sync=compat.layer_sync(self),
             )
+            deferred = self._deferred.plan(module, pipeline_partition=self.layout.pipeline.partition)
             self.parallelized = parallelize(module, self.layout, self.device_mesh, options, self.precision_plugin)
+            if deferred is not None:  # built on meta: only now, split, does this rank get memory for its shards
+                unsplit_copy = getattr(self.parallelized.verifier, "reference", None)
+                self._deferred.materialize(module, deferred, self.root_device, unsplit_copy=unsplit_copy)
             self._pipeline, self._parallelized_module = self.parallelized.runner, module
             if self.parallelized.verifier is not None:  # within a replica: tensor-parallel and shared sums
                 self.parallelized.verifier.sync = self.reduce_gradients

@@ -64,6 +64,11 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
 
         module = build_pipeline_module(model, **{**MODEL_DEFAULTS["nanogpt"], **kwargs})
     if module is None:
+        from tests.big_models import build_deferred_module
+
+        defaults = MODEL_DEFAULTS.get(model.removeprefix("deferred_"), {})
+        module = build_deferred_module(model, **{**defaults, **kwargs})
+    if module is None:
         from tests.foreign_models import build_foreign_module
 
         module = build_foreign_module(model, **kwargs)

@@ -1,0 +1,146 @@
+"""Modules that build their network in ``configure_model``, as Lightning documents for models too big for one
+device: the same networks as the examples (nanoGPT, a Hugging Face Llama), litgpt's GPT, and a network written for
+none of them (truncated-normal and orthogonal initializations), each constructed where HybridStrategy can defer it.
+
+The single-process reference runs the same class: Lightning calls ``configure_model`` on one device too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics.text import Perplexity
+
+from examples.hf_llama import HFLlama
+from examples.nanogpt import GPT, GPTConfig, NanoGPT
+from tests.foreign_models import LITGPT_CONFIGS, LitGPTModule
+
+
+class DeferredNanoGPT(NanoGPT):
+    """The nanoGPT example with its network built in ``configure_model``."""
+
+    def __init__(self, vocab_size: int = 128, block_size: int = 64, n_layer: int = 4, n_head: int = 4,
+                 n_embd: int = 64, dropout: float = 0.0, bias: bool = True, tie_weights: bool = False,
+                 learning_rate: float = 1e-3, weight_decay: float = 0.1) -> None:  # fmt: skip
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        L.LightningModule.__init__(self)  # not NanoGPT's: it builds the network
+        self.save_hyperparameters(arguments)
+        self.model: nn.Module | None = None
+        self.example_input_array = torch.zeros(2, block_size, dtype=torch.long)
+        self.val_perplexity = Perplexity()
+
+    def configure_model(self) -> None:
+        if self.model is None:  # Lightning calls it again for validate/test/predict
+            h = self.hparams
+            config = GPTConfig(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.dropout, h.bias,
+                               h.tie_weights)  # fmt: skip
+            self.model = GPT(config)
+
+
+class DeferredHFLlama(HFLlama):
+    """The Hugging Face Llama example with ``LlamaForCausalLM(config)`` built in ``configure_model``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        L.LightningModule.__init__(self)  # not HFLlama's: it builds the network
+        defaults = {n: p.default for n, p in inspect.signature(HFLlama.__init__).parameters.items() if n != "self"}
+        self.save_hyperparameters({**defaults, **kwargs})
+        self.model: nn.Module | None = None
+        self.example_input_array = torch.zeros(2, 64, dtype=torch.long)
+        self.val_perplexity = Perplexity()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            h = {**self.hparams}
+            h.pop("learning_rate", None)
+            self.model = LlamaForCausalLM(LlamaConfig(**h, attn_implementation="sdpa"))
+
+
+class DeferredLitGPT(LitGPTModule):
+    """litgpt's GPT (Llama style) built in ``configure_model``, initialized with its own ``_init_weights``."""
+
+    def __init__(self, n_layer: int = 4, learning_rate: float = 1e-4, **_: Any) -> None:
+        L.LightningModule.__init__(self)
+        self.n_layer, self.learning_rate = n_layer, learning_rate
+        self.model: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from litgpt import GPT as LitGPT
+            from litgpt import Config
+
+            config = Config(block_size=16, vocab_size=128, padded_vocab_size=128, n_layer=self.n_layer, n_head=4,
+                            n_embd=32, bias=False, **LITGPT_CONFIGS["litgpt_llama"])  # fmt: skip
+            self.model = LitGPT(config)
+            self.model.apply(self.model._init_weights)
+
+
+class _Mixer(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        nn.init.trunc_normal_(self.up.weight, std=0.02)  # samples rejected by value: cannot run on meta
+        nn.init.orthogonal_(self.down.weight)  # a QR decomposition: cannot run on meta either
+        self.gate = nn.Parameter(torch.randn(dim) * 0.1 + 1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x)))) * self.gate
+
+
+class UnseenDeferred(L.LightningModule):
+    """A token mixer written for none of the above, built in ``configure_model``."""
+
+    def __init__(self, vocab_size: int = 128, dim: int = 32, n_layer: int = 4, learning_rate: float = 1e-4,
+                 **_: Any) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+        self.net: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            h = self.hparams
+            self.net = nn.ModuleDict(
+                {
+                    "embed": nn.Embedding(h.vocab_size, h.dim),
+                    "layers": nn.ModuleList(_Mixer(h.dim) for _ in range(h.n_layer)),
+                    "head": nn.Linear(h.dim, h.vocab_size),
+                }
+            )
+
+    def forward(self, idx: Tensor) -> Tensor:
+        assert self.net is not None
+        x = self.net["embed"](idx)
+        for layer in self.net["layers"]:
+            x = layer(x)
+        return self.net["head"](x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
+
+
+DEFERRED_MODULES = {
+    "deferred_nanogpt": DeferredNanoGPT,
+    "deferred_llama": DeferredHFLlama,
+    "deferred_litgpt": DeferredLitGPT,
+    "deferred_unseen": UnseenDeferred,
+}
+
+
+def build_deferred_module(model: str, **kwargs: Any) -> L.LightningModule | None:
+    cls = DEFERRED_MODULES.get(model)
+    return None if cls is None else cls(**kwargs)

@@ -1,0 +1,51 @@
+"""Issue: models bigger than one device. Modules that build their network in ``configure_model`` are built on the
+meta device, split and sharded there, and each rank materializes only its shards with one device's values: the
+training run equals the single-process run of the same class (where Lightning builds the network for real), in every
+layout, for the examples, Hugging Face Llama, litgpt and a network written for none of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import share
+from tests.test_foundation import assert_parity, reference_for, scenario
+
+PP2 = {"pipeline_parallel_size": 2, "num_microbatches": 2}
+TP2 = {"tensor_parallel_size": 2}
+DEFERRED = {"deferred_nanogpt": {"bias": False, "n_layer": 4}, "deferred_llama": {"num_hidden_layers": 4},
+            "deferred_litgpt": {"n_layer": 4}, "deferred_unseen": {"n_layer": 4}}  # fmt: skip
+
+
+def _deferred(name: str, model: str, strategy: dict[str, Any], dp: int) -> dict[str, Any]:
+    return {**scenario(name, "nanogpt", strategy, dp, model_kwargs=DEFERRED[model]), "model": model}
+
+
+GROUPS = {
+    2: [
+        *[_deferred(f"{m}-pp2", m, PP2, 1) for m in DEFERRED],
+        _deferred("deferred_nanogpt-dp2-zero3", "deferred_nanogpt", {"zero_stage": 3}, 2),
+        _deferred("deferred_llama-tp2", "deferred_llama", TP2, 1),
+    ],
+    4: [
+        *[_deferred(f"{m}-tp2-dp2", m, TP2, 2) for m in ("deferred_nanogpt", "deferred_llama", "deferred_litgpt")],
+        _deferred("deferred_nanogpt-tp2-dp2-zero3", "deferred_nanogpt", {**TP2, "zero_stage": 3}, 2),
+    ],
+    8: [
+        *[_deferred(f"{m}-2x2x2", m, {**TP2, **PP2}, 2) for m in ("deferred_nanogpt", "deferred_llama")],
+        _deferred("deferred_nanogpt-2x2x2-zero3", "deferred_nanogpt", {**TP2, **PP2, "zero_stage": 3}, 2),
+        _deferred("deferred_unseen-pp2-dp4-zero3", "deferred_unseen", {**PP2, "zero_stage": 3}, 4),
+    ],
+}
+for _world, _scenarios in GROUPS.items():
+    share(_world, _scenarios)
+PARITY = [s for group in GROUPS.values() for s in group]
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("case", PARITY, ids=[s["name"] for s in PARITY])
+def test_deferred_construction_trains_like_one_device(shared_groups, case: dict[str, Any]) -> None:
+    world = next(w for w, group in GROUPS.items() if case in group)
+    result = shared_groups(world).get(case["name"])
+    assert_parity(result, reference_for(case))
