@@ -63,11 +63,12 @@ class DeferredHFLlama(HFLlama):
 
 
 class DeferredLitGPT(LitGPTModule):
-    """litgpt's GPT (Llama style) built in ``configure_model``, initialized with its own ``_init_weights``."""
+    """litgpt's GPT built in ``configure_model`` (``style``: a key of ``LITGPT_CONFIGS``), initialized with its own
+    ``_init_weights``."""
 
-    def __init__(self, n_layer: int = 4, learning_rate: float = 1e-4, **_: Any) -> None:
+    def __init__(self, n_layer: int = 4, learning_rate: float = 1e-4, style: str = "litgpt_llama", **_: Any) -> None:
         L.LightningModule.__init__(self)
-        self.n_layer, self.learning_rate = n_layer, learning_rate
+        self.n_layer, self.learning_rate, self.style = n_layer, learning_rate, style
         self.model: nn.Module | None = None
 
     def configure_model(self) -> None:
@@ -76,7 +77,7 @@ class DeferredLitGPT(LitGPTModule):
             from litgpt import Config
 
             config = Config(block_size=16, vocab_size=128, padded_vocab_size=128, n_layer=self.n_layer, n_head=4,
-                            n_embd=32, bias=False, **LITGPT_CONFIGS["litgpt_llama"])  # fmt: skip
+                            n_embd=32, bias=False, **LITGPT_CONFIGS[self.style])  # fmt: skip
             self.model = LitGPT(config)
             self.model.apply(self.model._init_weights)
 
@@ -95,6 +96,20 @@ class _Mixer(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x)))) * self.gate
 
 
+class _MixerNet(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, n_layer: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(_Mixer(dim) for _ in range(n_layer))
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 class UnseenDeferred(L.LightningModule):
     """A token mixer written for none of the above, built in ``configure_model``."""
 
@@ -107,20 +122,11 @@ class UnseenDeferred(L.LightningModule):
     def configure_model(self) -> None:
         if self.net is None:
             h = self.hparams
-            self.net = nn.ModuleDict(
-                {
-                    "embed": nn.Embedding(h.vocab_size, h.dim),
-                    "layers": nn.ModuleList(_Mixer(h.dim) for _ in range(h.n_layer)),
-                    "head": nn.Linear(h.dim, h.vocab_size),
-                }
-            )
+            self.net = _MixerNet(h.vocab_size, h.dim, h.n_layer)
 
     def forward(self, idx: Tensor) -> Tensor:
         assert self.net is not None
-        x = self.net["embed"](idx)
-        for layer in self.net["layers"]:
-            x = layer(x)
-        return self.net["head"](x)
+        return self.net(idx)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch

@@ -18,8 +18,9 @@ DEFERRED = {"deferred_nanogpt": {"bias": False, "n_layer": 4}, "deferred_llama":
             "deferred_litgpt": {"n_layer": 4}, "deferred_unseen": {"n_layer": 4}}  # fmt: skip
 
 
-def _deferred(name: str, model: str, strategy: dict[str, Any], dp: int) -> dict[str, Any]:
-    return {**scenario(name, "nanogpt", strategy, dp, model_kwargs=DEFERRED[model]), "model": model}
+def _deferred(name: str, model: str, strategy: dict[str, Any], dp: int, **model_kwargs: Any) -> dict[str, Any]:
+    kwargs = {**DEFERRED[model], **model_kwargs}
+    return {**scenario(name, "nanogpt", strategy, dp, model_kwargs=kwargs), "model": model}
 
 
 GROUPS = {
@@ -29,7 +30,9 @@ GROUPS = {
         _deferred("deferred_llama-tp2", "deferred_llama", TP2, 1),
     ],
     4: [
-        *[_deferred(f"{m}-tp2-dp2", m, TP2, 2) for m in ("deferred_nanogpt", "deferred_llama", "deferred_litgpt")],
+        *[_deferred(f"{m}-tp2-dp2", m, TP2, 2) for m in ("deferred_nanogpt", "deferred_llama")],
+        # (litgpt's Llama style has grouped-query attention, which tensor parallel refuses for a fused q|k|v)
+        _deferred("deferred_litgpt-tp2-dp2", "deferred_litgpt", TP2, 2, style="litgpt_pythia"),
         _deferred("deferred_nanogpt-tp2-dp2-zero3", "deferred_nanogpt", {**TP2, "zero_stage": 3}, 2),
     ],
     8: [

@@ -290,6 +290,10 @@ class PipelineVerifier:
             self.reference = None
             return
         self.reference.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+        with torch.no_grad():  # non-persistent buffers (rotary tables) are in no state dict; a copy built on the meta
+            for name, buffer in self.reference.named_buffers():  # device has no values for them yet
+                if name not in own and name in state:
+                    buffer.copy_(state[name])
 
     def _changed_since_setup(self, network: nn.Module) -> bool:
         """Whether any rank's weights differ from its set-up fingerprint (collective over the world: one all-reduce

@@ -84,10 +84,18 @@ class Ledger:
     optimizer: float
     activations: float
     buffers: float
+    setup: float = 0.0
+    """Bytes at set-up, before the first step: the rank's parameter shards plus the full tensors that deferred
+    construction's replay holds at once (``construction/replay.py``: about the two largest). A model built whole
+    on every rank (in ``__init__``) needs its full size here instead; the planner assumes deferred construction."""
+
+    @property
+    def training(self) -> float:
+        return self.parameters + self.gradients + self.master + self.optimizer + self.activations + self.buffers
 
     @property
     def peak(self) -> float:
-        return self.parameters + self.gradients + self.master + self.optimizer + self.activations + self.buffers
+        return max(self.training, self.setup)
 
     @property
     def model_state(self) -> float:

@@ -113,8 +113,11 @@ def _stage_ledger(spec: ModelSpec, setup: Setup, c: Candidate, first: bool, last
         # ZeRO-2 without a pipeline reduces bucket by bucket during backward: those in flight and the one filling
         in_use = ShardedGradientBuckets.MAX_IN_FLIGHT + 1 if c.zero_stage == 2 and p == 1 else 2
         buffers["buckets"] = in_use * BUCKET_BYTES
+    # set-up (deferred construction): the shards, plus the replay's full tensors in flight, in the parameters' dtype
+    largest = max(spec.vocab * spec.hidden, spec.hidden * (spec.ffn or 4 * spec.hidden))
+    setup_bytes = per["parameters"] * numel + 2 * largest * PRECISION_BYTES[setup.precision][0]
     ledger = Ledger(per["parameters"] * numel, per["gradients"] * numel, per["master"] * numel,
-                    per["optimizer"] * numel, activations, sum(buffers.values()))  # fmt: skip
+                    per["optimizer"] * numel, activations, sum(buffers.values()), setup_bytes)  # fmt: skip
     return ledger, {"buffers": buffers, "in_flight": flight, "numel": numel}
 
 
@@ -157,6 +160,9 @@ def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evalu
                               schedule=c.schedule, virtual=c.virtual_stages, recompute=c.recompute,
                               mfu=setup.mfu)  # fmt: skip
     limit = f"{_gb(hw.device_memory).replace('.0 ', ' ')} x {hw.usable_fraction:g}"
+    if ledger.setup > hw.usable_memory >= ledger.training:
+        reason = f"set-up (shards + the replay's largest tensors) {_gb(ledger.setup)} > {limit}"
+        return Evaluated(c, ledger, step, False, reason, tokens, details=details)
     if ledger.peak > hw.usable_memory:
         parts = {
             "parameters": ledger.parameters,
