@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open as _ORIGINAL_SAFE_OPEN
 
 _WAIT_S = 300
 
@@ -63,12 +64,13 @@ def prepare(scenario: dict[str, Any], out_dir: Path) -> str:
 
 class ReadCounter:
     """Counts the bytes every safetensors read of the loader returns, by wrapping ``safe_open`` where the loader
-    looks it up: an independent measure of what a rank read (the loader's own report is not trusted here)."""
+    looks it up: an independent measure of what a rank read (the loader's own report is not trusted here). A counter
+    left installed by a failed scenario is replaced by the next one (each wraps the original)."""
 
     def __init__(self) -> None:
         import lightning_hybrid.checkpoint.pretrained as loader
 
-        self.loader, self.original = loader, loader.safe_open
+        self.loader, self.original = loader, _ORIGINAL_SAFE_OPEN
         self.bytes = 0
         self.largest = 0  # the largest single read, in bytes
         counter = self

@@ -46,7 +46,13 @@ REFUSED_CASE = _case(
     "pretrained-refused-2x2x2", "llama", 1, {"write": "hf", "seed": 7, "model_kwargs": {"intermediate_size": 48}},
     expect_error=True,
 )  # fmt: skip
-share(8, [HF_CASE, CONSOLIDATED_CASE, REFUSED_CASE])  # after test_checkpoint.py's scenarios (collected earlier)
+# pretrained weights (step 6) and a resume (step 3) together: the resume wins
+RESUMED_CASE = {
+    **CONSOLIDATED_CASE, "name": "pretrained-then-resume-2x2x2", "steps": 4, "batch_size": 16,
+    "resume_from": "reshard-source/*step=3.ckpt", "record_start_params": True,
+}  # fmt: skip
+# after test_checkpoint.py's scenarios (collected earlier), whose checkpoints two of these read
+share(8, [HF_CASE, CONSOLIDATED_CASE, REFUSED_CASE, RESUMED_CASE])
 
 
 def _compare(result: dict[str, Any], reference: dict[str, Any]) -> None:
@@ -82,7 +88,7 @@ def test_hugging_face_folder_loads_sharded_into_2x2x2(shared_groups) -> None:
     folder = pretrained_folder(HF_CASE["name"], group.out_dir)
     assert len(set(weight_files(folder).values())) > 2  # sharded, with an index
     module = build_module("llama")
-    module.model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+    module.model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").train()
     total = sum(p.numel() * 4 for p in module.parameters())
     _compare(result, run_reference(HF_CASE, module=module))
     reads = _check_reads(result, total)
@@ -114,6 +120,26 @@ def test_a_source_that_does_not_fit_is_refused_on_every_rank(shared_groups) -> N
     assert messages[0].startswith("HybridConfigError: `pretrained_weights="), messages[0]
     assert "shapes differ" in messages[0] and "mlp.up_proj.weight" in messages[0]
     assert "layers.0." in messages[0] and "layers.1." in messages[0]  # both pipeline stages' findings
+
+
+@pytest.mark.timeout(2400)
+def test_a_resume_overwrites_the_pretrained_weights(shared_groups, tmp_path: Path) -> None:
+    """``pretrained_weights`` (the step-6 weights) with ``ckpt_path`` (the step-3 checkpoint): training starts from
+    the checkpoint's weights exactly."""
+    from safetensors.torch import load_file
+
+    from lightning_hybrid.checkpoint import consolidate
+
+    group = shared_groups(8)
+    result = group.get(RESUMED_CASE["name"])
+    checkpoint = next(group.out_dir.glob(RESUMED_CASE["resume_from"]))
+    at_step3 = load_file(consolidate(checkpoint, tmp_path) / "model.safetensors")
+    pretrained = load_file(pretrained_folder(RESUMED_CASE["name"], group.out_dir) / "model.safetensors")
+    assert result["start_params"].keys() == at_step3.keys()
+    for name, value in result["start_params"].items():
+        assert torch.equal(value, at_step3[name]), name
+    assert not torch.equal(pretrained["model.lm_head.weight"], at_step3["model.lm_head.weight"])
+    assert all(rank["pretrained_report"] is not None for rank in result["per_rank"])  # read, then overwritten
 
 
 # ---------------------------------------------------------------- single process: mapping and refusals

@@ -120,11 +120,9 @@ def run(scenario: dict, out_dir: Path) -> None:
         recorder.grads_locked = True
         trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt)
     else:
-        try:
-            trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
-        finally:
-            if reads is not None:
-                reads.close()
+        trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
+    if reads is not None:
+        reads.close()
     after_fit = None
     if scenario.get("after_fit"):  # "module:function", called on every rank as function(trainer, directory)
         import importlib
