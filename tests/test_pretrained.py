@@ -177,6 +177,28 @@ def test_match_keys_swaps_prefixes_and_falls_back_on_tied_weights() -> None:
     assert found == {"model.a.weight": "backbone.a.weight", "model.b.weight": "backbone.b.weight"}
 
 
+def test_a_tied_head_left_out_of_the_files_loads_from_the_embedding(tmp_path: Path) -> None:
+    """``save_pretrained`` leaves ``lm_head.weight`` out when it is tied: the strategy's aliases (the structure's tied
+    parameters) read the embedding in its place, once; without them the head is refused as missing."""
+    from lightning_hybrid.checkpoint.pretrained import load_pretrained_weights
+    from lightning_hybrid.parallelize import Parallelized
+    from lightning_hybrid.structure import find_model_structure
+
+    write_hf("llama", {"tie_word_embeddings": True}, 7, tmp_path, "20KB")
+    assert "lm_head.weight" not in weight_files(tmp_path)
+    module = build_module("llama", tie_word_embeddings=True)
+    with pytest.raises(HybridConfigError, match=r"the model's model\.lm_head\.weight not in the files"):
+        load_pretrained(module, tmp_path)
+    parallelized = Parallelized(structure=find_model_structure(module), gradient_sync=None)
+    report = load_pretrained_weights(module, str(tmp_path), parallelized)
+    from safetensors import safe_open
+
+    with safe_open(str(weight_files(tmp_path)["model.embed_tokens.weight"]), framework="pt") as f:
+        assert torch.equal(module.model.lm_head.weight, f.get_tensor("model.embed_tokens.weight"))
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+    assert report.bytes_read == sum(p.numel() * 4 for p in module.parameters())  # the shared weight read once
+
+
 def test_bf16_files_load_into_fp32_parameters(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
