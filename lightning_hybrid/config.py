@@ -250,8 +250,14 @@ def check_pretrained_weights(source: Any) -> str:
     Example:
         >>> # check_pretrained_weights("Llama-3.2-1B")  # 'Llama-3.2-1B', a folder written by save_pretrained
     """
+    import importlib.util
     import os
 
+    if importlib.util.find_spec("safetensors") is None:
+        raise HybridConfigError(
+            f"`pretrained_weights={source!r}` reads safetensors files, and safetensors is not installed:"
+            " `pip install 'lightning-hybrid[hf]'` (or `pip install safetensors`)."
+        )
     if not isinstance(source, (str, os.PathLike)):
         raise HybridConfigError(f"`pretrained_weights` must be a path (str), got {type(source).__name__} {source!r}.")
     path = os.fspath(source)

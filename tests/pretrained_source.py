@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open as _ORIGINAL_SAFE_OPEN
+
+import lightning_hybrid.checkpoint.pretrained as loader
 
 _WAIT_S = 300
+_ORIGINAL_OPEN = loader._open
 
 
 def pretrained_folder(name: str, out_dir: Path) -> Path:
@@ -63,14 +65,12 @@ def prepare(scenario: dict[str, Any], out_dir: Path) -> str:
 
 
 class ReadCounter:
-    """Counts the bytes every safetensors read of the loader returns, by wrapping ``safe_open`` where the loader
-    looks it up: an independent measure of what a rank read (the loader's own report is not trusted here). A counter
-    left installed by a failed scenario is replaced by the next one (each wraps the original)."""
+    """Counts the bytes every safetensors read of the loader returns, by wrapping the loader's ``_open`` (its one
+    call of ``safe_open``): an independent measure of what a rank read (the loader's own report is not trusted
+    here). A counter left installed by a failed scenario is replaced by the next one (each wraps the original)."""
 
     def __init__(self) -> None:
-        import lightning_hybrid.checkpoint.pretrained as loader
-
-        self.loader, self.original = loader, _ORIGINAL_SAFE_OPEN
+        self.original = _ORIGINAL_OPEN
         self.bytes = 0
         self.largest = 0  # the largest single read, in bytes
         counter = self
@@ -105,7 +105,7 @@ class ReadCounter:
             def __getattr__(self, name: str) -> Any:
                 return getattr(self.inner, name)
 
-        loader.safe_open = lambda *args, **kwargs: _Handle(self.original(*args, **kwargs))
+        loader._open = lambda file: _Handle(self.original(file))
 
     def _count(self, tensor: torch.Tensor) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
@@ -114,7 +114,7 @@ class ReadCounter:
         return tensor
 
     def close(self) -> None:
-        self.loader.safe_open = self.original
+        loader._open = self.original
 
     def summary(self, module: torch.nn.Module, file_element_size: int = 4) -> dict[str, int]:
         """Bytes read, the largest read, and this rank's own share: the local parts of its state-dict tensors (one

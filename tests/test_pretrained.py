@@ -35,6 +35,11 @@ def _case(name: str, model: str, zero: int, pretrained: dict[str, Any], **extra:
 
 
 HF_CASE = _case("pretrained-hf-2x2x2-zero3", "llama", 3, {"write": "hf", "seed": 7, "max_shard_size": "20KB"})
+# the head tied to the embedding, on the first and the last pipeline stage: save_pretrained leaves it out of the files
+TIED_CASE = _case(
+    "pretrained-hf-tied-2x2x2", "llama", 1, {"write": "hf", "seed": 7, "max_shard_size": "20KB"},
+    model_kwargs={"tie_word_embeddings": True},
+)  # fmt: skip
 # the model of tests/test_checkpoint.py's "reshard-source", whose step-6 checkpoint (same group, earlier) is
 # consolidated
 CONSOLIDATED_CASE = _case(
@@ -52,10 +57,15 @@ RESUMED_CASE = {
     "resume_from": "reshard-source/*step=3.ckpt", "record_start_params": True,
 }  # fmt: skip
 # after test_checkpoint.py's scenarios (collected earlier), whose checkpoints two of these read
-share(8, [HF_CASE, CONSOLIDATED_CASE, REFUSED_CASE, RESUMED_CASE])
+share(8, [HF_CASE, TIED_CASE, CONSOLIDATED_CASE, REFUSED_CASE, RESUMED_CASE])
 
 
-def _compare(result: dict[str, Any], reference: dict[str, Any]) -> None:
+def _compare(result: dict[str, Any], reference: dict[str, Any], tied: dict[str, str] | None = None) -> None:
+    """As tests/test_foundation.py's parity check: ``tied`` maps a tied weight's second copy (another pipeline stage's,
+    absent on one device) to the weight it must still equal."""
+    for extra, partner in (tied or {}).items():
+        assert relative_error(result["params"].pop(extra), reference["params"][partner]) <= TOL, f"{extra} untied"
+        result["grads"].pop(extra, None)
     assert len(result["losses"]) == len(reference["losses"]) == STEPS
     for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
         assert abs(got - want) / abs(want) <= TOL, f"step {step}: loss {got} vs one device {want}"
@@ -78,19 +88,22 @@ def _check_reads(result: dict[str, Any], total_bytes: int) -> list[dict[str, int
 
 
 @pytest.mark.timeout(2400)  # waits for the session's shared 8-process launch
-def test_hugging_face_folder_loads_sharded_into_2x2x2(shared_groups) -> None:
-    """A ``save_pretrained`` folder (7 files and an index) into tp2 x pp2 x dp2 ZeRO-3: equal to one device that
-    loaded it with ``from_pretrained``, and each rank read only its slices."""
+@pytest.mark.parametrize("case", [HF_CASE, TIED_CASE], ids=lambda c: c["name"])
+def test_hugging_face_folder_loads_sharded_into_2x2x2(shared_groups, case: dict[str, Any]) -> None:
+    """A ``save_pretrained`` folder (7 files and an index) into tp2 x pp2 x dp2 ZeRO-3, and with a tied head (held by
+    the first and the last stage, left out of the files) at ZeRO-1: equal to one device that loaded it with
+    ``from_pretrained``, and each rank read only its slices."""
     from transformers import LlamaForCausalLM
 
     group = shared_groups(8)
-    result = group.get(HF_CASE["name"])
-    folder = pretrained_folder(HF_CASE["name"], group.out_dir)
+    result = group.get(case["name"])
+    folder = pretrained_folder(case["name"], group.out_dir)
     assert len(set(weight_files(folder).values())) > 2  # sharded, with an index
-    module = build_module("llama")
+    module = build_module("llama", **case.get("model_kwargs", {}))
     module.model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").train()
     total = sum(p.numel() * 4 for p in module.parameters())
-    _compare(result, run_reference(HF_CASE, module=module))
+    tied = {"model.lm_head.weight": "model.model.embed_tokens.weight"} if case is TIED_CASE else None
+    _compare(result, run_reference(case, module=module), tied)
     reads = _check_reads(result, total)
     report = result["per_rank"][0]["pretrained_report"]
     assert (report.module_prefix, report.file_prefix, report.bytes_read) == ("model.", "", reads[0]["bytes"])

@@ -28,7 +28,6 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -99,8 +98,16 @@ def weight_files(source: Union[str, os.PathLike]) -> dict[str, Path]:
     )
 
 
+def _open(file: Path) -> Any:
+    """safetensors' lazy reader of ``file`` (a context manager; nothing is read until asked). Imported here: safetensors
+    is an optional dependency (the ``hf`` extra), checked with ``pretrained_weights`` (``config.py``)."""
+    from safetensors import safe_open
+
+    return safe_open(str(file), framework="pt")
+
+
 def _keys(file: Path) -> list[str]:
-    with safe_open(str(file), framework="pt") as handle:
+    with _open(file) as handle:
         return list(handle.keys())
 
 
@@ -251,7 +258,7 @@ def load_pretrained(
         with raise_together():
             files = weight_files(source)
             keys = set(files)
-            handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(files.values())}
+            handles = {f: stack.enter_context(_open(f)) for f in set(files.values())}
             scores = prefix_scores(names, keys) if key_map is None else {}
         # 1. the prefix swap, over every rank's names: a pipeline stage alone may not tell which one is right
         total: dict[tuple[str, str], int] = {}
