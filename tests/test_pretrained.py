@@ -47,6 +47,9 @@ CONSOLIDATED_CASE = _case(
     {"write": "consolidated", "checkpoint": "reshard-source/*step=6.ckpt"},
     model_kwargs={"n_layer": 4, "bias": False},
 )  # fmt: skip
+# the fused projection split over tensor and, by FSDP2, over data in the same dimension
+CONSOLIDATED_ZERO3_CASE = {**CONSOLIDATED_CASE, "name": "pretrained-consolidated-2x2x2-zero3",
+                           "strategy": {**CONSOLIDATED_CASE["strategy"], "zero_stage": 3}}  # fmt: skip
 REFUSED_CASE = _case(
     "pretrained-refused-2x2x2", "llama", 1, {"write": "hf", "seed": 7, "model_kwargs": {"intermediate_size": 48}},
     expect_error=True,
@@ -57,7 +60,7 @@ RESUMED_CASE = {
     "resume_from": "reshard-source/*step=3.ckpt", "record_start_params": True,
 }  # fmt: skip
 # after test_checkpoint.py's scenarios (collected earlier), whose checkpoints two of these read
-share(8, [HF_CASE, TIED_CASE, CONSOLIDATED_CASE, REFUSED_CASE, RESUMED_CASE])
+share(8, [HF_CASE, TIED_CASE, CONSOLIDATED_CASE, CONSOLIDATED_ZERO3_CASE, REFUSED_CASE, RESUMED_CASE])
 
 
 def _compare(result: dict[str, Any], reference: dict[str, Any], tied: dict[str, str] | None = None) -> None:
@@ -110,17 +113,19 @@ def test_hugging_face_folder_loads_sharded_into_2x2x2(shared_groups, case: dict[
 
 
 @pytest.mark.timeout(2400)
-def test_consolidated_checkpoint_loads_sharded_into_2x2x2(shared_groups) -> None:
-    """``consolidate`` output of a 2x2x2 checkpoint (the module's own names) into 2x2x2 ZeRO-1, with nanoGPT's fused
-    q|k|v projection split by tensor parallel: equal to one device that ``load_state_dict``-ed the file."""
+@pytest.mark.parametrize("case", [CONSOLIDATED_CASE, CONSOLIDATED_ZERO3_CASE], ids=lambda c: c["name"])
+def test_consolidated_checkpoint_loads_sharded_into_2x2x2(shared_groups, case: dict[str, Any]) -> None:
+    """``consolidate`` output of a 2x2x2 checkpoint (the module's own names) into 2x2x2 at ZeRO-1 and ZeRO-3, with
+    nanoGPT's fused q|k|v projection split by tensor parallel (and by FSDP2 over data): equal to one device that
+    ``load_state_dict``-ed the file."""
     from safetensors.torch import load_file
 
     group = shared_groups(8)
-    result = group.get(CONSOLIDATED_CASE["name"])
-    weights = load_file(pretrained_folder(CONSOLIDATED_CASE["name"], group.out_dir) / "model.safetensors")
-    module = build_module("nanogpt", **CONSOLIDATED_CASE["model_kwargs"])
+    result = group.get(case["name"])
+    weights = load_file(pretrained_folder(case["name"], group.out_dir) / "model.safetensors")
+    module = build_module("nanogpt", **case["model_kwargs"])
     module.load_state_dict(weights, strict=True)
-    _compare(result, run_reference(CONSOLIDATED_CASE, module=module))
+    _compare(result, run_reference(case, module=module))
     _check_reads(result, sum(w.numel() * w.element_size() for w in weights.values()))
 
 
