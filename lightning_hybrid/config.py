@@ -25,6 +25,7 @@ __all__ = [
     "check_auto_layout",
     "check_compile",
     "check_partition",
+    "check_pretrained_weights",
     "check_sizes",
 ]
 
@@ -242,9 +243,43 @@ class ZeroOptions:
         object.__setattr__(self, "offload_optimizer", bool(self.offload_optimizer))
 
 
+def check_pretrained_weights(source: Any) -> str:
+    """``source`` as a path string if it looks like a safetensors source (on this rank's file system: every rank
+    checks its own, since each reads its slices from it); :class:`HybridConfigError` otherwise.
+
+    Example:
+        >>> # check_pretrained_weights("Llama-3.2-1B")  # 'Llama-3.2-1B', a folder written by save_pretrained
+    """
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("safetensors") is None:
+        raise HybridConfigError(
+            f"`pretrained_weights={source!r}` reads safetensors files, and safetensors is not installed:"
+            " `pip install 'lightning-hybrid[hf]'` (or `pip install safetensors`)."
+        )
+    if not isinstance(source, (str, os.PathLike)):
+        raise HybridConfigError(f"`pretrained_weights` must be a path (str), got {type(source).__name__} {source!r}.")
+    path = os.fspath(source)
+    fix = (
+        "Give a folder holding model.safetensors or model.safetensors.index.json (what `save_pretrained` and"
+        " `lightning-hybrid consolidate` write) or a .safetensors file, on every node's file system."
+    )
+    if not os.path.exists(path):
+        raise HybridConfigError(f"`pretrained_weights={path!r}` does not exist on this machine. {fix}")
+    names = ("model.safetensors", "model.safetensors.index.json")
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return path
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in names):
+        return path
+    resume = " (a lightning-hybrid checkpoint resumes with `trainer.fit(ckpt_path=...)`)"
+    raise HybridConfigError(f"`pretrained_weights={path!r}` holds no safetensors weights{resume}. {fix}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointOptions:
-    """How checkpoints are written and checked (``async_checkpoint``, ``checkpoint_verify``).
+    """How checkpoints are written and checked, and the weights training starts from (``async_checkpoint``,
+    ``checkpoint_verify``, ``pretrained_weights``).
 
     Example:
         >>> CheckpointOptions(asynchronous=True).verify
@@ -261,6 +296,15 @@ class CheckpointOptions:
     ``ckpt_path="last"`` skip a checkpoint that fails for the newest one in its directory that passes. ``False`` loads
     without hashing (sizes are still checked), also checkpoints without a commit record. Saves always write the
     record."""
+    pretrained: Optional[str] = None
+    """``pretrained_weights``: start training from these weights (a Hugging Face folder with ``model.safetensors``
+    or ``model.safetensors.index.json``, ``lightning-hybrid consolidate`` output, or a ``.safetensors`` file): loaded
+    after the model is split, each rank reading only its own slices (``checkpoint/pretrained.py``). A resume with
+    ``trainer.fit(ckpt_path=...)`` overwrites them (docs/checkpoint.md)."""
+
+    def __post_init__(self) -> None:
+        if self.pretrained is not None:
+            object.__setattr__(self, "pretrained", check_pretrained_weights(self.pretrained))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -493,6 +537,7 @@ class StrategyOptions:
         process_group_backend: Optional[str] = None,
         async_checkpoint: bool = False,
         checkpoint_verify: bool = True,
+        pretrained_weights: Optional[str] = None,
         health_checks: Any = True,
         monitor: Any = True,
         layout: Optional[str] = None,
@@ -529,7 +574,9 @@ class StrategyOptions:
         check_compile(compile, request)
         return cls(
             request=request,
-            checkpoint=CheckpointOptions(asynchronous=async_checkpoint, verify=checkpoint_verify),
+            checkpoint=CheckpointOptions(
+                asynchronous=async_checkpoint, verify=checkpoint_verify, pretrained=pretrained_weights
+            ),
             activation_checkpointing=activation_checkpointing,
             transformer_blocks=transformer_blocks,
             compile=compile,

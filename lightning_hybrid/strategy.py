@@ -29,6 +29,7 @@ import lightning_hybrid._lightning_compat as compat
 import lightning_hybrid.topology as topology
 from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
+from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
 from lightning_hybrid.checkpoint.strategy_io import CheckpointHooks
 from lightning_hybrid.config import ParallelLayout, StrategyOptions
 from lightning_hybrid.construction.deferred import DeferredConstruction
@@ -106,6 +107,10 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
             minutes); a stuck rank then ends the job and every rank says which rank is stuck (docs/reliability.md).
         async_checkpoint: write checkpoints in the background; the next save and the end of training wait for it.
         checkpoint_verify: on load, check every file against its commit record's size and SHA-256.
+        pretrained_weights: start from these weights: a Hugging Face folder (``model.safetensors``, or shards with
+            ``model.safetensors.index.json``), ``lightning-hybrid consolidate`` output, or a ``.safetensors`` file.
+            Loaded once the model is split, each rank reading only its own slices; ``trainer.fit(ckpt_path=...)``
+            overwrites them (docs/checkpoint.md, "Starting from pretrained weights").
         health_checks: add :class:`~lightning_hybrid.HealthChecks` to the callbacks (True, False, or an instance).
         monitor: add :class:`~lightning_hybrid.HybridMonitor` when the Trainer has a logger (True, False, or an
             instance, added even without a logger).
@@ -151,6 +156,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         async_checkpoint: bool = False,
         checkpoint_verify: bool = True,
+        pretrained_weights: Optional[str] = None,
         health_checks: Union[bool, Any] = True,
         monitor: Union[bool, HybridMonitor] = True,
         offload_optimizer: bool = False,
@@ -173,6 +179,8 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         self.parallelized: Optional[Parallelized] = None
         """What :func:`~lightning_hybrid.parallelize.parallelize` returned for the module (None before set-up)."""
         self._parallelized_module: Optional[nn.Module] = None
+        self.pretrained: Optional[LoadReport] = None
+        """What was loaded from ``pretrained_weights`` on this rank (None without them, or before set-up)."""
         self._pipeline: Optional[PipelineRunner] = None
         self._gradient_step: Optional[GradientStep] = None
         self._backward_sync_blocked = False
@@ -289,9 +297,15 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
             )
             deferred = self._deferred.plan(module, pipeline_partition=self.layout.pipeline.partition)
             self.parallelized = parallelize(module, self.layout, self.device_mesh, options, self.precision_plugin)
+            pretrained = self._options.checkpoint.pretrained
             if deferred is not None:  # built on meta: only now, split, does this rank get memory for its shards
                 unsplit_copy = getattr(self.parallelized.verifier, "reference", None)
-                self._deferred.materialize(module, deferred, self.root_device, unsplit_copy=unsplit_copy)
+                self._deferred.materialize(
+                    module, deferred, self.root_device, unsplit_copy=unsplit_copy, weights_follow=pretrained is not None
+                )
+            # the split model's own shards are filled from pretrained weights, before the optimizers (and ZeRO's fp32
+            # masters) are made from them; a later ckpt_path resume overwrites them (checkpoint/pretrained.py)
+            self.pretrained = load_pretrained_weights(module, pretrained, self.parallelized)
             self._pipeline, self._parallelized_module = self.parallelized.runner, module
             if self.parallelized.verifier is not None:  # within a replica: tensor-parallel and shared sums
                 self.parallelized.verifier.sync = self.reduce_gradients

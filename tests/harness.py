@@ -189,14 +189,16 @@ def trainer_kwargs(steps: int) -> dict[str, Any]:
     }
 
 
-def run_reference(scenario: dict[str, Any]) -> dict[str, Any]:
-    """Single process, single device: the ground truth for a scenario."""
+def run_reference(scenario: dict[str, Any], module: L.LightningModule | None = None) -> dict[str, Any]:
+    """Single process, single device: the ground truth for a scenario (of ``module`` if given, e.g. one that loaded
+    pretrained weights its own way)."""
     torch.set_num_threads(max(1, int(os.environ.get("REFERENCE_THREADS", "1"))))
     # modules that parallelize themselves in configure_model: the same module without it
     model = {"nanogpt_user_tp": "nanogpt", "lightning_mp": "lightning_mp_single"}.get(
         scenario["model"], scenario["model"]
     )
-    module = build_module(model, **scenario.get("model_kwargs", {}))
+    if module is None:
+        module = build_module(model, **scenario.get("model_kwargs", {}))
     dp = scenario["data_parallel_size"]
     per_epoch = -(-NUM_SAMPLES // (dp * scenario["batch_size"]))
     dataset = make_dataset(scenario.get("dataset", "tokens"))

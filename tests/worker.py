@@ -32,6 +32,11 @@ def run(scenario: dict, out_dir: Path) -> None:
     module = build_module(scenario["model"], **scenario.get("model_kwargs", {}))
     # a string is the registered name, as a user passes it: `Trainer(strategy="hybrid")`
     spec = scenario["strategy"]
+    reads = None
+    if scenario.get("pretrained"):  # start from pretrained weights rank 0 writes now (tests/pretrained_source.py)
+        from tests.pretrained_source import ReadCounter, prepare
+
+        spec, reads = {**spec, "pretrained_weights": prepare(scenario, out_dir)}, ReadCounter()
     strategy = spec if isinstance(spec, str) else HybridStrategy(**spec)
     dataset = make_dataset(scenario.get("dataset", "tokens"))
     loader = torch.utils.data.DataLoader(dataset, batch_size=scenario["batch_size"], shuffle=True)
@@ -116,6 +121,8 @@ def run(scenario: dict, out_dir: Path) -> None:
         trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt)
     else:
         trainer.fit(module, train_dataloaders=loader, val_dataloaders=val_loader)
+    if reads is not None:
+        reads.close()
     after_fit = None
     if scenario.get("after_fit"):  # "module:function", called on every rank as function(trainer, directory)
         import importlib
@@ -169,6 +176,8 @@ def run(scenario: dict, out_dir: Path) -> None:
             "gradient_buckets": strategy.gradient_buckets,
             "peak_gradient_bytes": peak.peaks if peak is not None else None,
             "verification": getattr(getattr(strategy, "_pipeline", None), "verification", None),
+            "pretrained_reads": reads.summary(module) if reads is not None else None,
+            "pretrained_report": getattr(strategy, "pretrained", None),
         },
     )
     result["per_rank"] = gathered

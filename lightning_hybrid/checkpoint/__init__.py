@@ -9,7 +9,7 @@ any tensor/pipeline/data layout and ZeRO stage.
 Modules: :mod:`.tensors` (how tensors meet DCP), :mod:`.optimizer` (the layout-free optimizer state), :mod:`.format`
 (reading a checkpoint's index files without running code from them), :mod:`.integrity` (each file's hash in a commit
 record), :mod:`.io` (atomic and asynchronous saves, checked loads), :mod:`.consolidate` (full weights as safetensors,
-Hugging Face export).
+Hugging Face export), :mod:`.pretrained` (starting from safetensors weights, each rank reading only its slices).
 """
 
 from lightning_hybrid.checkpoint.consolidate import HUGGING_FACE_KEY, consolidate, hugging_face_info
@@ -24,6 +24,7 @@ from lightning_hybrid.checkpoint.io import (
     load_sharded,
 )
 from lightning_hybrid.checkpoint.optimizer import optimizer_state
+from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained
 from lightning_hybrid.checkpoint.tensors import dcp_ready, full_tensor
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "META_FILENAME",
     "VERSIONS_KEY",
     "CheckpointError",
+    "LoadReport",
     "ShardedCheckpointWriter",
     "checked_files",
     "checkpoint_to_load",
@@ -40,6 +42,7 @@ __all__ = [
     "dcp_ready",
     "full_tensor",
     "hugging_face_info",
+    "load_pretrained",
     "load_sharded",
     "optimizer_state",
     "read_meta",

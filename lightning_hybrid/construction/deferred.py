@@ -75,10 +75,18 @@ class DeferredConstruction:
         return [plan for plan in plans if plan.by_storage]
 
     def materialize(
-        self, module: nn.Module, plans: list[ConstructionTargets], device: torch.device, *, unsplit_copy: object = None
+        self,
+        module: nn.Module,
+        plans: list[ConstructionTargets],
+        device: torch.device,
+        *,
+        unsplit_copy: object = None,
+        weights_follow: bool = False,
     ) -> None:
         """Give ``module`` (split and sharded) its local shards with one device's values; an unsplit copy made for
-        the first-step check gets storage only (it loads the split model's weights before it runs)."""
+        the first-step check gets storage only (it loads the split model's weights before it runs).
+        ``weights_follow``: pretrained weights fill the model next, so a weight its construction never initialized
+        is no error."""
         self.peak_bytes = 0
         uninitialized: list[str] = []
         for plan in plans:
@@ -89,7 +97,7 @@ class DeferredConstruction:
         if isinstance(unsplit_copy, nn.Module):
             allocate(unsplit_copy, device)
         self.records.clear()  # the log holds every storage's meta tensor: let it go
-        if uninitialized:
+        if uninitialized and not weights_follow:
             raise HybridConfigError(
                 f"{uninitialized[:5]}{' ...' if len(uninitialized) > 5 else ''} of {type(module).__name__} are never"
                 " initialized in its construction (made with `torch.empty` and not written): on one device they"
