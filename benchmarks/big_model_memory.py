@@ -2,9 +2,9 @@
 ``configure_model`` (deferred: on the meta device, then only this rank's shards), and a model bigger than this
 machine's memory would allow if every rank built it whole.
 
-    python -m benchmarks.big_model_memory                 # the 0.55B GPT at tp2 x pp2 (4 processes): tiny, full, deferred
-    python -m benchmarks.big_model_memory --big           # also a 0.82B GPT at 2x2x2 with ZeRO-3 (8 processes), 3 steps
-    python -m benchmarks.big_model_memory --smoke         # tiny sizes (the test suite runs this)
+    python -m benchmarks.big_model_memory          # the 0.55B GPT at tp2 x pp2 (4 processes): tiny, full, deferred
+    python -m benchmarks.big_model_memory --big    # also a 0.82B GPT at 2x2x2 with ZeRO-3 (8 processes), 3 steps
+    python -m benchmarks.big_model_memory --smoke  # tiny sizes (the test suite runs this)
 
 Each case is one Lightning run on CPU processes (gloo); each rank records its peak resident memory
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) when its first training batch starts and after its last step, and the
@@ -146,8 +146,9 @@ def _gb(x: float) -> str:
 
 
 def report(cases: list[dict[str, Any]]) -> str:
-    lines = [SECTION_BEGIN, "", "| model | layout | construction | fp32 weights | peak per rank at the first step |"
-             " peak per rank after the last step | planner's peak per rank |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    header = ("| model | layout | construction | fp32 weights | peak per rank at the first step |"
+              " peak per rank after the last step | planner's peak per rank |")
+    lines = [SECTION_BEGIN, "", header, "|---|---|---|---|---|---|---|"]
     for c in cases:
         planner = _gb(c["planner"]["peak"]) if c.get("planner") else "-"
         lines.append(f"| {c['model']} | {c['layout']} | {c['construction']} | {_gb(c['full_fp32_bytes'])} |"
