@@ -28,6 +28,8 @@ GROUPS = {
         *[_deferred(f"{m}-pp2", m, PP2, 1) for m in DEFERRED],
         _deferred("deferred_nanogpt-dp2-zero3", "deferred_nanogpt", {"zero_stage": 3}, 2),
         _deferred("deferred_llama-tp2", "deferred_llama", TP2, 1),
+        # the example built in __init__ under trainer.init_module(empty_init=True): on meta, then one device's values
+        {**scenario("init_module-nanogpt-pp2", "nanogpt", PP2, 1, model_kwargs={"bias": False}), "init_module": True},
     ],
     4: [
         *[_deferred(f"{m}-tp2-dp2", m, TP2, 2) for m in ("deferred_nanogpt", "deferred_llama")],

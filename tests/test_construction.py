@@ -125,3 +125,24 @@ def test_meta_tensors_made_outside_the_recording_are_named() -> None:
     with torch.device("meta"):
         module.extra = nn.Linear(2, 2)
     assert sorted(construction_targets(module, record).unknown) == ["extra.bias", "extra.weight"]
+
+
+def test_a_seed_set_inside_the_construction_is_replayed() -> None:
+    """``seed_everything`` inside ``trainer.init_module()`` (as a module built under it may call): the draws after it
+    start from that seed, on one device and in the replay."""
+
+    def build() -> nn.Module:
+        first = nn.Linear(3, 3)
+        torch.manual_seed(7)
+        return nn.Sequential(first, nn.Linear(3, 3))
+
+    torch.manual_seed(SEED)
+    reference = build()
+    draw_after_reference = torch.rand(2)
+    torch.manual_seed(SEED)
+    with record_construction(after_seed_reset=True) as record:
+        module = build()  # on meta nothing draws: without the reseed the second layer would continue from SEED
+    materialize(module, construction_targets(module, record), torch.device("cpu"))
+    for key, value in reference.state_dict().items():
+        assert torch.equal(value, module.state_dict()[key]), key
+    assert torch.equal(torch.rand(2), draw_after_reference)

@@ -29,7 +29,8 @@ from tests.harness import Recorder, build_module, full_parameters, make_dataset,
 
 def run(scenario: dict, out_dir: Path) -> None:
     world = int(os.environ["WORLD_SIZE"])
-    module = build_module(scenario["model"], **scenario.get("model_kwargs", {}))
+    model_kwargs = scenario.get("model_kwargs", {})
+    module = None if scenario.get("init_module") else build_module(scenario["model"], **model_kwargs)
     # a string is the registered name, as a user passes it: `Trainer(strategy="hybrid")`
     spec = scenario["strategy"]
     reads = None
@@ -52,6 +53,9 @@ def run(scenario: dict, out_dir: Path) -> None:
         kwargs["plugins"] = [HybridPrecision(**scenario["precision_plugin"])]
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[recorder], **kwargs)
     strategy = trainer.strategy
+    if module is None:  # built as Lightning documents for big models: `with trainer.init_module(empty_init=True)`
+        with trainer.init_module(empty_init=True):
+            module = build_module(scenario["model"], **model_kwargs)
     probe = _precision_probes(trainer, scenario)
     # the recorder averages losses over the data dimension, which exists once the strategy has set up the mesh
     recorder.data_group = None

@@ -60,7 +60,7 @@ def construction_targets(module: nn.Module, record: ConstructionRecord) -> Const
         named = [
             *(("parameter", n, t) for n, t in owner.named_parameters(recurse=False, remove_duplicate=False)),
             *(("buffer", n, t) for n, t in owner.named_buffers(recurse=False, remove_duplicate=False)),
-            *(("attribute", n, t) for n, t in vars(owner).items() if isinstance(t, Tensor) and not n.startswith("_")),
+            *(("attribute", n, t) for n, t in vars(owner).items() if isinstance(t, Tensor) and n[:2] != "__"),
         ]
         for kind, attribute, t in named:
             if t is None or not t.is_meta or (id(owner), attribute) in seen:
@@ -82,7 +82,7 @@ def allocate(module: nn.Module, device: torch.device) -> None:
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     for owner in module.modules():
         for attribute, t in list(vars(owner).items()):
-            if isinstance(t, Tensor) and t.is_meta and not attribute.startswith("_"):
+            if isinstance(t, Tensor) and t.is_meta and attribute[:2] != "__":
                 setattr(owner, attribute, torch.empty_like(t, device=device))
 
 

@@ -110,6 +110,11 @@ class RecordedOp:
     """Whether the call draws from the random generator: it must run, in order, even when its result is not needed."""
     real: bool = False
     """A call on real tensors only (a ``torch.tensor`` constant...): it ran during the recording already."""
+    generator_before: Optional[Tensor] = None
+    """The generator's state before a drawing call: the replay sees from it where the construction reseeded
+    (``seed_everything`` inside ``trainer.init_module()``), since meta calls draw nothing."""
+    generator_after: Optional[Tensor] = None
+    """After a real drawing call (which moved it)."""
 
 
 @dataclass
@@ -193,6 +198,7 @@ class _Recorder(TorchDispatchMode):
 
     def record_initializer(self, func: Any, args: tuple, kwargs: dict) -> None:
         """An in-place initializer of ``args[0]``: it writes the whole tensor without reading it, and may draw."""
+        generator = generator_state(self.record.device_type)
         target = self._view(args[0])
         whole = target.covers(self.record.nbytes[target.storage])
         others = {storage_key(t) for t in tree_flatten((args[1:], kwargs))[0] if isinstance(t, Tensor) and t.is_meta}
@@ -207,6 +213,7 @@ class _Recorder(TorchDispatchMode):
                 frozenset({target.storage}),
                 frozenset({target.storage} if whole else ()),
                 seeded=True,
+                generator_before=generator,
             )
         )
 
@@ -219,16 +226,18 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        generator = generator_state(self.record.device_type) if seeded else None
         out = func(*args, **kwargs)
         schema = func._schema
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
-        seeded = torch.Tag.nondeterministic_seeded in func.tags
         if not any(t.is_meta for t in (*inputs, *outputs)):
             if seeded:  # a real random call still moves the generator: the replay must move it alike
                 self.record.ops.append(
                     RecordedOp(func, args, kwargs, [], torch.get_default_dtype(), frozenset(), frozenset(),
-                               frozenset(), seeded=True, real=True)
+                               frozenset(), seeded=True, real=True, generator_before=generator,
+                               generator_after=generator_state(self.record.device_type))
                 )  # fmt: skip
             return out
         written_args = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
@@ -259,6 +268,7 @@ class _Recorder(TorchDispatchMode):
                 frozenset(writes),
                 frozenset(overwrites),
                 seeded=seeded,
+                generator_before=generator,
             )
         )
         return out

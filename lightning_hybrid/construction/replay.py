@@ -132,10 +132,15 @@ def replay(
     assert record.rng_state is not None
     set_generator_state(record.device_type, record.rng_state)
     default_dtype = torch.get_default_dtype()
+    recorded = record.rng_state  # the generator as the construction left it after its last draw so far
     try:
         for i, op in enumerate(record.ops):
             if not needed[i] and not op.seeded:
                 continue
+            if op.generator_before is not None:
+                if not op.generator_before.equal(recorded):  # the construction reseeded here: so does the replay
+                    set_generator_state(record.device_type, op.generator_before)
+                recorded = op.generator_after if op.generator_after is not None else op.generator_before
             torch.set_default_dtype(op.default_dtype)
             if op.real:  # a random call on real tensors: draw again, on copies
                 args, kwargs = tree_map(_clone_tensor, (op.args, op.kwargs))
@@ -170,6 +175,9 @@ def replay(
                 storages.release(key)
         report.peak_bytes = storages.peak
         after = generator_state(record.device_type)
+        assert record.rng_state_at_end is not None
+        if not record.rng_state_at_end.equal(recorded):  # reseeded after its last draw
+            after = record.rng_state_at_end
     finally:
         torch.set_default_dtype(default_dtype)
     assert record.rng_state_at_end is not None
