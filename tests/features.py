@@ -32,6 +32,7 @@ BATCH_SIZE = 4
 TRAIN_BATCHES = 4  # per epoch and rank: two optimizer steps at accumulate_grad_batches=2
 EPOCHS = 2
 VAL_BATCHES = 2
+EVAL_SAMPLES = 10
 
 
 class FeatureGPT(NanoGPT):
@@ -158,7 +159,8 @@ def run_features(scenario: dict[str, Any], out_dir: Path) -> None:
         enable_model_summary=False,
     )
     data = make_dataset()
-    evaluation = Subset(data, range(BATCH_SIZE * VAL_BATCHES * 2))  # every rank's share of VAL_BATCHES full batches
+    # 5 samples per rank: a full batch and one of a single sample, fewer than the pipeline's stages
+    evaluation = Subset(data, range(EVAL_SAMPLES))
     train_loader = DataLoader(data, batch_size=BATCH_SIZE, shuffle=True)
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=DataLoader(evaluation, batch_size=BATCH_SIZE))
     fit_metrics = _floats(trainer.callback_metrics)

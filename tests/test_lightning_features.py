@@ -55,6 +55,20 @@ LAYOUTS = [
             **_NO_MONITOR,
         },
     ),
+    _case(
+        "2x2x2-sp-zero3",
+        8,
+        {
+            "pipeline_parallel_size": 2,
+            "tensor_parallel_size": 2,
+            "sequence_parallel": True,
+            "zero_stage": 3,
+            "pipeline_schedule": "1f1b",
+            "num_microbatches": 2,
+            **_PLAIN_LOGITS,
+            **_NO_MONITOR,
+        },
+    ),
 ]
 share(2, [REFERENCE])
 for _world in (2, 4, 8):
@@ -73,7 +87,8 @@ def test_features_equal_ddp(shared_groups, case: dict[str, Any]) -> None:
     """Every rank of the layout logs, returns and predicts what the ``"ddp"`` rank with its data-parallel index does:
     each row the logger received (step values, epoch values of the metric objects and of every ``reduce_fx``), the
     callback metrics after the fit, what ``validate`` and ``test`` return, and the predictions (each rank its own
-    share, as ``"ddp"`` returns them); and the trained weights (accumulation and the per-step scheduler) agree."""
+    share, as ``"ddp"`` returns them); and the trained weights (accumulation and the per-step scheduler) agree.
+    Each rank's evaluation data ends with a batch of one sample: fewer micro-batches than pipeline stages."""
     if not launched(REFERENCE["name"]):
         pytest.skip("the ddp reference is not launched in this session (--scenarios)")
     reference = shared_groups(2).get(REFERENCE["name"])["per_rank"]

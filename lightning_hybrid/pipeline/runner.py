@@ -356,9 +356,14 @@ class PipelineRunner:
                     timer=self._timer,
                 )  # fmt: skip
             )
-        cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+        name = self.schedule_name
+        if not training and name not in MULTI_STAGE:
+            # forward only, every single-stage schedule runs the forwards in the same order; GPipe has no lower bound
+            # on the micro-batches (1F1B wants one per stage), which an evaluation's last, smaller batch may not give
+            name = "gpipe"
+        cls = getattr(pipelining, SCHEDULES[name])
         loss_fn = (lambda output, target: output.sum()) if training else None
-        if self.schedule_name in MULTI_STAGE:
+        if name in MULTI_STAGE:
             schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
         else:
             schedule = cls(stages[0], m, loss_fn=loss_fn, scale_grads=False)
