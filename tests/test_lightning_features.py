@@ -127,3 +127,71 @@ def test_reference_logs_what_the_matrix_compares(shared_groups) -> None:
     wanted |= {f"val_loss_{fx}" for fx in ("sum", "mean", "max", "min")}
     assert wanted <= names, sorted(wanted - names)
     assert len({tuple(r["predictions"].flatten().tolist()) for r in reference}) == 2  # each rank its own share
+
+
+def _stages(make: Any) -> tuple[torch.nn.Module, torch.nn.Module, Any, Any]:
+    """The same metrics on a 'last stage' and an 'other stage' module, with their mirrors (one process)."""
+    from lightning_hybrid.monitoring.metrics import MetricMirror
+
+    last, other = torch.nn.Module(), torch.nn.Module()
+    last.metric, other.metric = make(), make()
+    return last, other, MetricMirror(last), MetricMirror(other)
+
+
+def _metric_cases() -> list[tuple[Any, Any]]:
+    """(make the metric, make one micro-batch's update arguments) per kind of state."""
+    import torchmetrics
+
+    scores = lambda: (torch.rand(4), torch.randint(0, 2, (4,)))  # noqa: E731
+    return [
+        (torchmetrics.MeanMetric, lambda: (torch.rand(4),)),  # sum states with a weight
+        (torchmetrics.classification.BinaryAUROC, scores),  # list ("cat") states
+        (torchmetrics.MaxMetric, lambda: (torch.rand(4),)),  # full_state_update=True: the whole state is sent
+        (
+            lambda: torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="macro"),
+            lambda: (torch.rand(4, 3), torch.randint(0, 3, (4,))),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4), ids=["mean", "cat", "full-state", "accuracy"])
+def test_metric_mirror_matches_one_metric_fed_every_batch(index: int) -> None:
+    """Three steps of two micro-batches through the mirror: the last stage's and the other stage's metric both end
+    with the state and value of one metric fed the same six batches, and each step's value (``_forward_cache``) is
+    that of one metric fed the step's two micro-batches, as a data-parallel rank's forward over the batch gives (but
+    for a metric updated in place, whose step value is its last micro-batch's)."""
+    make, arguments = _metric_cases()[index]
+    torch.manual_seed(0)
+    last, other, sender, receiver = _stages(make)
+    whole = make()
+    for step in range(3):
+        microbatches = [arguments() for _ in range(2)]
+        sender.begin()
+        for args in microbatches:
+            last.metric(*args)
+        sent = sender.end()
+        receiver.apply(sent)
+        one_step = make()
+        for args in microbatches:
+            one_step.update(*args)
+            whole.update(*args)
+        for metric in (last.metric, other.metric):
+            assert torch.allclose(metric.compute(), whole.compute()), step
+            if "added" in sent["metric"]:  # merged, not updated in place
+                assert torch.allclose(metric._forward_cache, one_step.compute()), step
+        assert torch.equal(last.metric._forward_cache, other.metric._forward_cache)
+    assert other.metric._update_count == last.metric._update_count == 6
+
+
+def test_metric_mirror_leaves_unused_metrics_and_checks_untouched() -> None:
+    """A metric the step does not update is not sent and keeps its state; ``unchanged`` undoes a check's updates."""
+    import torchmetrics
+
+    last, _, sender, _ = _stages(torchmetrics.SumMetric)
+    last.metric.update(torch.tensor(2.0))
+    sender.begin()
+    assert sender.end() == {}
+    assert float(last.metric.compute()) == 2.0 and last.metric._update_count == 1
+    with sender.unchanged():
+        last.metric.update(torch.tensor(5.0))
+    assert float(last.metric.compute()) == 2.0 and last.metric._update_count == 1
