@@ -94,7 +94,9 @@ class FeatureGPT(NanoGPT):
         return self(x).argmax(-1)
 
     def configure_optimizers(self) -> Any:
-        optimizer = super().configure_optimizers()
+        # SGD, not the example's AdamW: Adam's update hardly depends on the gradient's scale, so a gradient off by the
+        # accumulation factor would move the weights by 3e-5 relative only; SGD's moves them by the whole factor
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         # a per-step schedule: each optimizer step changes the rate, so a wrong step count shows in the weights
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
