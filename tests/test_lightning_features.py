@@ -90,7 +90,7 @@ def test_features_equal_ddp(shared_groups, case: dict[str, Any]) -> None:
     share, as ``"ddp"`` returns them); and the trained weights (accumulation and the per-step scheduler) agree.
     Each rank's evaluation data ends with a batch of one sample: fewer micro-batches than pipeline stages."""
     if not launched(REFERENCE["name"]):
-        pytest.skip("the ddp reference is not launched in this session (--scenarios)")
+        pytest.skip("the ddp reference is not launched in this pytest run (--scenarios)")
     reference = shared_groups(2).get(REFERENCE["name"])["per_rank"]
     result = shared_groups(case["world"]).get(case["name"])["per_rank"]
     assert len(result) == case["world"]
@@ -118,7 +118,7 @@ def test_reference_logs_what_the_matrix_compares(shared_groups) -> None:
     """The ``"ddp"`` run logs every kind of value the matrix claims (so a missing name cannot pass unnoticed): the
     metric objects' step and epoch values, the collection's, every ``reduce_fx``, in training and validation."""
     if not launched(REFERENCE["name"]):
-        pytest.skip("the ddp reference is not launched in this session (--scenarios)")
+        pytest.skip("the ddp reference is not launched in this pytest run (--scenarios)")
     reference = shared_groups(2).get(REFERENCE["name"])["per_rank"]
     names = set().union(*(row.keys() for _, row in reference[0]["rows"]))
     wanted = {"train_acc_step", "train_acc_epoch", "train_correct", "train_loss_mean_metric_epoch", "val_acc",
