@@ -52,8 +52,9 @@ def run_step(
     runner = parallelized.runner if parallelized is not None else None
     with getattr(precision, STEP_CONTEXTS[name])(), loss_context(parallelized):
         if runner is not None:
-            # the schedule runs backward inside the step: the fp16 loss scale is applied there
-            runner.loss_scale = precision.loss_scale or 1.0
+            # the schedule runs backward inside the step: the fp16 loss scale is applied there, and so is Lightning's
+            # division of the loss by accumulate_grad_batches, which it applies to the loss it differentiates itself
+            runner.loss_scale = (precision.loss_scale or 1.0) / _accumulation(module, name)
             results = runner.run(name, *args, *kwargs.values())
             # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank
             return results.log(module.log, data_group)
@@ -64,6 +65,14 @@ def run_step(
         with plain_logging(module, data_group), explained(module):
             output = getattr(module, name)(*args, **kwargs)
     return plain(output)
+
+
+def _accumulation(module: Any, name: str) -> int:
+    """What Lightning divides a training step's loss by before its backward (automatic optimization), else 1."""
+    trainer = getattr(module, "_trainer", None)
+    if name != "training_step" or trainer is None or not module.automatic_optimization:
+        return 1
+    return trainer.accumulate_grad_batches
 
 
 def loss_context(parallelized: Optional[Parallelized]) -> AbstractContextManager:

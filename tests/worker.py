@@ -387,6 +387,10 @@ def main() -> None:
                 from tests.deepspeed_source import record
 
                 record(scenario, out_dir)
+            elif scenario.get("runner") == "features":  # fit, validate, test, predict (tests/features.py)
+                from tests.features import run_features
+
+                run_features(scenario, out_dir)
             else:
                 run(scenario, out_dir)
         except Exception as error:

@@ -31,6 +31,7 @@ from lightning_hybrid._hooks import attribute_replaced, first_tensor, forward_re
 from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import to_plain
+from lightning_hybrid.monitoring.metrics import MetricMirror
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
 from lightning_hybrid.pipeline.step import (
@@ -84,8 +85,11 @@ class PipelineRunner:
         self._stashed: list[tuple[nn.Parameter, Tensor]] = []
         self._timer = ActionTimer(dist.get_rank())
         self._log = _LogCollector()
+        self._metrics = MetricMirror(module)
+        """The module's torchmetrics objects, updated on the last stage and mirrored on the others."""
         self.loss_scale = 1.0
-        """Multiplies the loss the schedule differentiates (fp16 loss scaling; the strategy sets it each step)."""
+        """Multiplies the loss the schedule differentiates: the fp16 loss scale over Lightning's
+        ``accumulate_grad_batches`` (``steps.run_step`` sets it each step)."""
         self.verifier: Optional[PipelineVerifier] = None
         """``verify_pipeline``: compares the first batch with an unsplit forward (the strategy sets it)."""
         self._checks_pending = True
@@ -128,7 +132,14 @@ class PipelineRunner:
                     self._verify(step, schedule)
                     step.checks = None
             self._timer.begin()
-            self._execute(step, schedule, training)
+            last = self.last_stage in self.stages
+            if last:
+                self._metrics.begin()
+            try:
+                self._execute(step, schedule, training)
+            finally:
+                if last:
+                    step.metrics = self._metrics.end()
             self._timer.end()
         if training:
             if step.checks is not None:
@@ -185,7 +196,8 @@ class PipelineRunner:
         captured = [self._capture(first.mode, microbatch, first.extra) for _ in range(m if self._capture_all else 1)]
         step = StepContext(first.mode, [microbatch] * m, first.extra, captured, self._run_stage)
         step.records, step.weights, step.checks = [[] for _ in range(m)], [1.0] + [0.0] * (m - 1), first.checks
-        with verifier.deterministic(self.module, verifier.reference):
+        # the check's runs of the user's step must not count in its torchmetrics objects
+        with verifier.deterministic(self.module, verifier.reference), self._metrics.unchanged():
             self._execute(step, schedule, True)
             step.checks.check_gradients(self.stages)
             step.checks.raise_together()
@@ -344,9 +356,14 @@ class PipelineRunner:
                     timer=self._timer,
                 )  # fmt: skip
             )
-        cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+        name = self.schedule_name
+        if not training and name not in MULTI_STAGE:
+            # forward only, every single-stage schedule runs the forwards in the same order; GPipe has no lower bound
+            # on the micro-batches (1F1B wants one per stage), which an evaluation's last, smaller batch may not give
+            name = "gpipe"
+        cls = getattr(pipelining, SCHEDULES[name])
         loss_fn = (lambda output, target: output.sum()) if training else None
-        if self.schedule_name in MULTI_STAGE:
+        if name in MULTI_STAGE:
             schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
         else:
             schedule = cls(stages[0], m, loss_fn=loss_fn, scale_grads=False)
@@ -384,7 +401,8 @@ class PipelineRunner:
             matches = False
             if last:
                 means = _scalar_means(step.records, self._schema, self.device)
-                matches = means is not None
+                # a metric object's step (its state tensors) travels on the object path
+                matches = means is not None and not step.metrics
                 flag = (torch.ones if matches else torch.zeros)((), dtype=torch.float64, device=self.device)
                 loss = torch.stack(step.losses).mean().reshape(()).to(torch.float64)
                 packed = torch.stack([flag, loss, *(means or [])])
@@ -408,12 +426,15 @@ class PipelineRunner:
         if last:
             payload[0] = {
                 "loss": torch.stack(step.losses).mean().item() if training else None,
-                "records": _merge_records(step.records),
+                "records": self._metrics.referenced(_merge_records(step.records)),
+                "metrics": step.metrics,
                 "outputs": None if training else _to_cpu(merge_microbatches(step.outputs)) if step.outputs else None,
             }
         dist.broadcast_object_list(payload, src=self._last_global_rank, group=group)
         result = payload[0]
-        records = result["records"]
+        if not last:
+            self._metrics.apply(result["metrics"])
+        records = self._metrics.resolved(result["records"])
         if training:
             scalars = all(isinstance(value, float) for _, value, _, _ in records)
             self._schema = [(name, args, kwargs) for name, _, args, kwargs in records] if scalars else None

@@ -54,6 +54,8 @@ class StepContext:
     checks: Optional[FirstStepChecks] = None
     """The structural checks, on the first training step only."""
     active: Optional[tuple[int, Optional[Tensor]]] = None
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """What the step added to each torchmetrics object it updated (last stage only; ``MetricMirror.end``)."""
 
 
 @dataclass
