@@ -33,6 +33,8 @@ def write_hf(model: str, model_kwargs: dict[str, Any], seed: int, folder: Path, 
     from tests.harness import build_module
 
     source = build_module(model, **model_kwargs)
+    if getattr(source, "model", None) is None:  # a module that builds its network in configure_model
+        source.configure_model()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in source.parameters():

@@ -35,6 +35,8 @@ def _case(name: str, model: str, zero: int, pretrained: dict[str, Any], **extra:
 
 
 HF_CASE = _case("pretrained-hf-2x2x2-zero3", "llama", 3, {"write": "hf", "seed": 7, "max_shard_size": "20KB"})
+# the same folder into the network built in configure_model: made on meta, then filled from the files
+DEFERRED_CASE = {**HF_CASE, "name": "pretrained-hf-deferred-2x2x2-zero3", "model": "deferred_llama"}
 # the head tied to the embedding, on the first and the last pipeline stage: save_pretrained leaves it out of the files
 TIED_CASE = _case(
     "pretrained-hf-tied-2x2x2", "llama", 1, {"write": "hf", "seed": 7, "max_shard_size": "20KB"},
@@ -60,7 +62,7 @@ RESUMED_CASE = {
     "resume_from": "reshard-source/*step=3.ckpt", "record_start_params": True,
 }  # fmt: skip
 # after test_checkpoint.py's scenarios (collected earlier), whose checkpoints two of these read
-share(8, [HF_CASE, TIED_CASE, CONSOLIDATED_CASE, CONSOLIDATED_ZERO3_CASE, REFUSED_CASE, RESUMED_CASE])
+share(8, [HF_CASE, DEFERRED_CASE, TIED_CASE, CONSOLIDATED_CASE, CONSOLIDATED_ZERO3_CASE, REFUSED_CASE, RESUMED_CASE])
 
 
 def _compare(result: dict[str, Any], reference: dict[str, Any], tied: dict[str, str] | None = None) -> None:
@@ -91,7 +93,7 @@ def _check_reads(result: dict[str, Any], total_bytes: int) -> list[dict[str, int
 
 
 @pytest.mark.timeout(2400)  # waits for the session's shared 8-process launch
-@pytest.mark.parametrize("case", [HF_CASE, TIED_CASE], ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", [HF_CASE, DEFERRED_CASE, TIED_CASE], ids=lambda c: c["name"])
 def test_hugging_face_folder_loads_sharded_into_2x2x2(shared_groups, case: dict[str, Any]) -> None:
     """A ``save_pretrained`` folder (7 files and an index) into tp2 x pp2 x dp2 ZeRO-3, and with a tied head (held by
     the first and the last stage, left out of the files) at ZeRO-1: equal to one device that loaded it with

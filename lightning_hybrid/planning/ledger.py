@@ -62,6 +62,8 @@ def state_bytes_per_parameter(
     p, g, m, _ = PRECISION_BYTES[precision]
     opt = 4 * OPTIMIZER_STATES[optimizer.lower()]
     d = data_parallel_size
+    if d == 1 and zero_stage in (1, 2) and precision in _STRATEGY_PRECISIONS:
+        zero_stage = 0  # the strategy steps one replica as stage 0: nothing to shard, no fp32 copy
     if zero_stage == 3 and precision in _STRATEGY_PRECISIONS:
         return {"parameters": 4 / d, "gradients": 4 / d, "master": 0, "optimizer": opt / d}
     if zero_stage >= 1 and precision in _STRATEGY_PRECISIONS and m == 0:
@@ -259,7 +261,7 @@ def _rank_bytes(params, groups, local_shape, tr, dr, zero, d, p, low, styles, na
                 "total": total_p + total_g + total_s}  # fmt: skip
     param_bytes = 2 if low else 4
     parameters = sum(param_bytes * _numel(local_shape(q, tr)) for q in params)
-    uses_masters = zero >= 1 or low
+    uses_masters = (zero >= 1 and d > 1) or low  # one replica steps as stage 0 (sharding/zero.py)
     gradients = state = 0
     buckets = zero == 0 and not uses_masters and d > 1 and p == 1 and overlap
     for group in groups:

@@ -68,6 +68,8 @@ def expected_model_state_bytes(
         2000
     """
     dp = data_parallel_size
+    if dp == 1 and zero_stage in (1, 2):
+        zero_stage = 0  # one replica has nothing to shard: the strategy steps it as stage 0 (no fp32 copy)
     low = precision in ("bf16-true", "16-true")
     if param_bytes is None:
         param_bytes = 2 if low and zero_stage < 3 else 4

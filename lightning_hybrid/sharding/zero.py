@@ -730,9 +730,12 @@ class ShardedOptimizer:
         # optimizer offload (sharding/offload.py): the masters live in host memory (pinned on CUDA), where
         # DeepSpeedCPUAdam steps them; on a CPU-only machine they are where they would be anyway
         self.host_masters = host_masters
-        self.stage = stage
         self.group = dp_mesh.get_group()
         self.dp = dp_mesh.size()
+        # one replica has nothing to shard: stages 1 and 2 would only add an fp32 copy of every parameter (the
+        # masters) beside the parameters themselves; it steps as stage 0 (masters only for '-true' precisions)
+        stage = stage if self.dp > 1 else 0
+        self.stage = stage
         self.dp_rank = dp_mesh.get_local_rank()
         self.sharded = stage >= 1
         self.uses_masters = self.sharded or master_dtype is not None
