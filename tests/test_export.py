@@ -143,7 +143,7 @@ def test_lightning_checkpoint_file_loads_with_load_from_checkpoint(shared_groups
     module = NanoGPT.load_from_checkpoint(target)
     for name, value in NANOGPT_HPARAMS.items():
         assert module.hparams[name] == value, f"hyper-parameter {name}: {module.hparams[name]}, saved {value}"
-    assert len(module.model.transformer.h) == NANOGPT_HPARAMS["n_layer"]
+    assert len(module.model.h) == NANOGPT_HPARAMS["n_layer"]
     gathered = group.get("export-nanogpt-dp2-zero3")["params"]
     state = module.state_dict()
     assert gathered.keys() <= state.keys()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -172,14 +172,15 @@ def _write_safetensors(
 def _write_hugging_face_layout(
     output: Path,
     layout: list[tuple[str, tuple[int, ...], torch.dtype]],
-    tensors: Iterator[Tensor],
+    read: Callable[[list[int]], Iterator[Tensor]],
     max_bytes: int,
     count_parameters: bool,
 ) -> list[Path]:
     """The weights as ``save_pretrained`` lays them out: one ``model.safetensors`` if they fit ``max_bytes``, else
     ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json`` (its ``metadata.total_size`` and
     ``weight_map``, and ``total_parameters`` for a Hugging Face model, written as transformers writes them). Removes
-    the weight files of an earlier export into ``output`` that this one does not rewrite. Returns the files written."""
+    the weight files of an earlier export into ``output`` that this one does not rewrite. ``read(indices)`` gives
+    the tensors of those entries of ``layout``, in that order. Returns the files written."""
     shards = _split(layout, max_bytes)
     names = (
         [SAFE_WEIGHTS_NAME]
@@ -193,6 +194,8 @@ def _write_hugging_face_layout(
         if _WEIGHT_FILE.fullmatch(stale.name) and stale not in written and stale.is_file():
             stale.unlink()
     weight_map: dict[str, str] = {}
+    # one stream in file order, which is not the layout's where a tensor over the limit got a file of its own
+    tensors = read([i for indices in shards for i in indices])
     for name, indices in zip(names, shards):
         part = [layout[i] for i in indices]
         _write_safetensors(output / name, part, tensors, {"format": "pt"})
@@ -275,18 +278,18 @@ def consolidate(
         for k, md in entries
     ]
 
-    def tensors() -> Iterator[Tensor]:
-        for batch in _batches(entries, buffer_bytes):
+    def read(indices: list[int]) -> Iterator[Tensor]:
+        for batch in _batches([entries[i] for i in indices], buffer_bytes):
             request = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in batch}
             loaded = _read(str(source), request)
             for k, _ in batch:
                 yield loaded.pop(k)
 
     if lightning_file:
-        _write_lightning_checkpoint(output, layout, tensors(), lightning_entries(meta))
+        _write_lightning_checkpoint(output, layout, read(list(range(len(layout)))), lightning_entries(meta))
         return output
     output.mkdir(parents=True, exist_ok=True)
-    _write_hugging_face_layout(output, layout, tensors(), max_bytes, count_parameters=hugging_face is not None)
+    _write_hugging_face_layout(output, layout, read, max_bytes, count_parameters=hugging_face is not None)
     if hugging_face:
         config = json.loads(hugging_face["config"])
         config.setdefault("architectures", [hugging_face["architecture"]])
