@@ -170,7 +170,7 @@ def test_bad_shard_size_and_output_are_refused(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- peak memory
 MEMORY_TENSORS = 24  # of 4 MiB each, plus one of 8 MiB (the largest): 104 MiB in all, 13 times the largest
-MEMORY_ALLOWANCE = 16 * 2**20  # the interpreter, DCP's planning and index, safetensors headers
+MEMORY_ALLOWANCE = 8 * 2**20  # the interpreter, DCP's planning and index, safetensors headers
 
 
 def _write_memory_checkpoint(path: Path) -> None:
@@ -190,22 +190,32 @@ def _write_memory_checkpoint(path: Path) -> None:
 
 
 def _measure_consolidate(checkpoint: Path, output: Path, record: Path) -> None:
-    """Run in a fresh process: the peak resident memory before and after one consolidation (ru_maxrss, KiB)."""
+    """Run in a fresh process: resident memory just before one consolidation and the process's peak after it.
+
+    The peak is ``ru_maxrss``; the baseline is the resident memory of that moment (``/proc/self/statm``), not
+    ``ru_maxrss`` before: that one keeps the imports' transient peak (measured 20-30 MiB above what stays resident),
+    which would hide as much growth."""
+    import os
     import resource
 
     from lightning_hybrid.checkpoint import consolidate
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    max_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     # buffer_bytes=1: one tensor per read, so the bound is the largest tensor (the default reads up to 256 MiB at once)
     consolidate(checkpoint, output, max_shard_size="20MB", buffer_bytes=1)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    record.write_text(json.dumps({"before": before * 1024, "after": after * 1024}))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    record.write_text(json.dumps({"before": before, "max_before": max_before, "after": after}))
 
 
 def _run(*args: str) -> dict[str, Any]:
     import os
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # glibc serves a freed block's size from its heap afterwards (its mmap threshold rises up to 32 MiB) and keeps
+    # freed heap pages resident: RSS then lags or leads the live tensors by tens of MiB, run to run. A fixed threshold
+    # maps every tensor on its own and unmaps it when freed, so the peak RSS is the peak of live memory.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=500)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -215,9 +225,9 @@ def _run(*args: str) -> dict[str, Any]:
 @pytest.mark.timeout(900)
 def test_consolidation_peak_memory_is_about_the_largest_tensor(tmp_path: Path) -> None:
     """104 MiB of weights (24 tensors of 4 MiB, the largest 8 MiB): consolidating into 20 MB shards raises the
-    process's peak resident memory by at most three times the largest tensor (the tensor, DCP's read of its piece,
-    the file buffer) plus 16 MiB, far below the total. The same measure on a ``.ckpt`` export, which holds every weight
-    at once, grows by at least the total: it sees a whole-model hold."""
+    process's peak resident memory by at most twice the largest tensor (the tensor being filled, and the one DCP's
+    reader builds from the file before copying it in) plus 8 MiB, far below the total. The same measure on a ``.ckpt``
+    export, which holds every weight at once, grows by at least the total: it sees a whole-model hold."""
     checkpoint = tmp_path / "memory.ckpt"
     _run("write", str(checkpoint))
     total = sum(f.stat().st_size for f in checkpoint.glob("*.distcp"))
@@ -227,14 +237,14 @@ def test_consolidation_peak_memory_is_about_the_largest_tensor(tmp_path: Path) -
     growth = streamed["after"] - streamed["before"]
     written = sum(f.stat().st_size for f in (tmp_path / "export").glob("*.safetensors"))
     assert written >= total - 2**20 and len(list((tmp_path / "export").glob("*.safetensors"))) >= 5
-    print(f"streamed export of {total / 2**20:.0f} MiB: peak RSS grew by {growth / 2**20:.1f} MiB")
-    assert growth <= 3 * largest + MEMORY_ALLOWANCE, (
+    print(f"streamed export of {total / 2**20:.0f} MiB: peak RSS grew by {growth / 2**20:.1f} MiB ({streamed})")
+    assert growth <= 2 * largest + MEMORY_ALLOWANCE, (
         f"peak memory grew by {growth / 2**20:.1f} MiB; the largest tensor is {largest / 2**20:.0f} MiB"
-        f" (allowed 3x + {MEMORY_ALLOWANCE / 2**20:.0f} MiB), the checkpoint {total / 2**20:.0f} MiB"
+        f" (allowed 2x + {MEMORY_ALLOWANCE / 2**20:.0f} MiB), the checkpoint {total / 2**20:.0f} MiB"
     )
     whole = _run("measure", str(checkpoint), str(tmp_path / "whole.ckpt"), str(tmp_path / "whole.json"))
     whole_growth = whole["after"] - whole["before"]
-    print(f".ckpt export: peak RSS grew by {whole_growth / 2**20:.1f} MiB")
+    print(f".ckpt export: peak RSS grew by {whole_growth / 2**20:.1f} MiB ({whole})")
     assert whole_growth >= total * 0.95, f"a whole-model hold should show: grew by {whole_growth / 2**20:.1f} MiB"
 
 
