@@ -31,7 +31,12 @@ NANOGPT_ZERO3 = {"name": "export-nanogpt-dp2-zero3", "model": "nanogpt", "model_
                  "strategy": {"zero_stage": 3}, "steps": 2, "batch_size": 8, "data_parallel_size": 2,
                  "callbacks": [SAVE_AT_END]}  # fmt: skip
 
-share(2, [LLAMA_PP2, NANOGPT_ZERO3])
+# tied input and output embeddings under tensor parallel: save_pretrained leaves the head out, and so must the export
+LLAMA_TIED_TP2 = {"name": "export-llama-tied-tp2", "model": "llama", "model_kwargs": {"tie_word_embeddings": True},
+                  "strategy": {"tensor_parallel_size": 2}, "steps": 2, "batch_size": 4, "data_parallel_size": 1,
+                  "callbacks": [SAVE_AT_END]}  # fmt: skip
+
+share(2, [LLAMA_PP2, NANOGPT_ZERO3, LLAMA_TIED_TP2])
 
 
 def _checkpoint(group: Any, name: str) -> Path:
@@ -41,23 +46,15 @@ def _checkpoint(group: Any, name: str) -> Path:
     return found
 
 
-def _stored_order(checkpoint: Path, prefix: str) -> list[str]:
-    """The model keys in the checkpoint index's order (the order consolidate writes them in), without ``prefix``."""
-    from lightning_hybrid.checkpoint.format import SafeFileSystemReader
-
-    keys = SafeFileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    return [k[len(prefix) :] for k in keys if k.startswith(prefix)]
-
-
 # ---------------------------------------------------------------- Hugging Face's sharded layout
 @pytest.mark.timeout(900)
 def test_sharded_hugging_face_export_loads_with_from_pretrained(shared_groups, tmp_path: Path) -> None:
     """A pipeline-parallel Llama checkpoint, consolidated with ``--max-shard-size 10KB`` (several shards; the 16 KB
     embedding and head over the limit get one each): ``from_pretrained`` loads the folder and its logits equal the
-    single-device module's with the gathered parameters; the index is well-formed and is exactly what
-    huggingface_hub's splitter (which ``save_pretrained`` uses) gives for the same tensors in the same order. A second
-    export into the same folder with the default size writes one ``model.safetensors``, no index, and removes the
-    shards of the first."""
+    single-device module's with the gathered parameters; the index is well-formed, is what huggingface_hub's
+    splitter (which ``save_pretrained`` uses) gives for the same tensors, and equals ``save_pretrained``'s byte for
+    byte. A second export into the same folder with the default size writes one ``model.safetensors``, no index, and
+    removes the shards of the first."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -90,18 +87,19 @@ def test_sharded_hugging_face_export_loads_with_from_pretrained(shared_groups, t
     assert index["weight_map"] == where
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in weights.values())
 
-    # the split save_pretrained would make of the same tensors in the same order, and its index metadata
-    order = _stored_order(checkpoint, "state_dict.model.")
+    # huggingface_hub's split (which save_pretrained uses) of the same tensors in the model's own order, and the
+    # index save_pretrained writes for the single-device model with the gathered parameters, byte for byte
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    order = list(exported.state_dict())
     assert sorted(order) == sorted(weights)
     split = split_torch_state_dict_into_shards({k: weights[k] for k in order}, max_shard_size="10KB")
     assert split.tensor_to_filename == index["weight_map"]
-    exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert index["metadata"] == {**split.metadata, "total_parameters": exported.num_parameters()}
-    text = (out / "model.safetensors.index.json").read_text()
-    assert text == json.dumps(index, indent=2, sort_keys=True) + "\n"  # byte for byte as transformers writes it
-
     module = build_module("llama").eval()
     module.load_state_dict(group.get("export-llama-pp2")["params"], strict=True)
+    module.model.save_pretrained(tmp_path / "reference", max_shard_size="10KB")
+    text = (out / "model.safetensors.index.json").read_text()
+    assert text == (tmp_path / "reference" / "model.safetensors.index.json").read_text()
     inputs = torch.stack([make_dataset()[i][0] for i in range(4)])
     with torch.no_grad():
         assert torch.equal(exported(input_ids=inputs).logits, module(inputs))
@@ -115,6 +113,35 @@ def test_sharded_hugging_face_export_loads_with_from_pretrained(shared_groups, t
         assert sorted(f.keys()) == sorted(weights)
         for key in f.keys():
             assert torch.equal(f.get_tensor(key), weights[key]), key
+
+
+@pytest.mark.timeout(900)
+def test_tied_embeddings_export_equals_save_pretrained(shared_groups, tmp_path: Path) -> None:
+    """A Llama with tied input and output embeddings, trained at tp=2: the sharded export holds the same files and
+    the same index, byte for byte, as ``save_pretrained(max_shard_size="10KB")`` of the single-device model with the
+    gathered parameters (no ``lm_head.weight``: a tied copy), and ``from_pretrained`` gives identical logits."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_hybrid.checkpoint import consolidate
+    from tests.harness import build_module, make_dataset
+
+    group = shared_groups(2)
+    checkpoint = _checkpoint(group, "export-llama-tied-tp2")
+    out = consolidate(checkpoint, tmp_path / "export", max_shard_size="10KB")
+    module = build_module("llama", tie_word_embeddings=True).eval()
+    module.load_state_dict(group.get("export-llama-tied-tp2")["params"], strict=False)
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+    module.model.save_pretrained(tmp_path / "reference", max_shard_size="10KB")
+    ours = (out / "model.safetensors.index.json").read_text()
+    theirs = (tmp_path / "reference" / "model.safetensors.index.json").read_text()
+    assert "lm_head.weight" not in json.loads(theirs)["weight_map"]
+    assert ours == theirs
+    listing = sorted(p.name for p in out.glob("model*"))
+    assert listing == sorted(p.name for p in (tmp_path / "reference").glob("model*"))
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    inputs = torch.stack([make_dataset()[i][0] for i in range(4)])
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=inputs).logits, module(inputs))
 
 
 # ---------------------------------------------------------------- one Lightning .ckpt file
@@ -189,24 +216,35 @@ def _write_memory_checkpoint(path: Path) -> None:
         dist.destroy_process_group()
 
 
-def _measure_consolidate(checkpoint: Path, output: Path, record: Path) -> None:
-    """Run in a fresh process: resident memory just before one consolidation and the process's peak after it.
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
-    The peak is ``ru_maxrss``; the baseline is the resident memory of that moment (``/proc/self/statm``), not
-    ``ru_maxrss`` before: that one keeps the imports' transient peak (measured 20-30 MiB above what stays resident),
-    which would hide as much growth."""
-    import os
+
+def _measure_consolidate(checkpoint: Path, output: Path, record: Path) -> None:
+    """Run in a fresh process: the peak resident memory just before and after one consolidation.
+
+    The peak is the kernel's high-water mark, first reset to the resident memory of that moment
+    (``/proc/self/clear_refs``): without the reset the peak before is the imports' transient one, and a consolidation
+    below it shows no growth at all. Read from ``VmHWM`` rather than ``ru_maxrss``, which also keeps the mark taken
+    whenever a thread exits (an import's helper thread, after the import peak) and which the reset cannot clear:
+    measured, ``ru_maxrss`` stayed 36 MiB above the resident memory in some runs and hid the whole consolidation."""
+    import ctypes
+    import gc
     import resource
 
     from lightning_hybrid.checkpoint import consolidate
 
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    max_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    gc.collect()  # the imports' garbage, which the consolidation would otherwise free and reuse unseen
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # and give freed heap back: the baseline is then the live memory
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size (Linux's documented "5") to the current one
+    before = _peak_rss()
     # buffer_bytes=1: one tensor per read, so the bound is the largest tensor (the default reads up to 256 MiB at once)
     consolidate(checkpoint, output, max_shard_size="20MB", buffer_bytes=1)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    record.write_text(json.dumps({"before": before, "max_before": max_before, "after": after}))
+    after = _peak_rss()
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; for the record only
+    record.write_text(json.dumps({"before": before, "after": after, "ru_maxrss_after": maxrss}))
 
 
 def _run(*args: str) -> dict[str, Any]:
@@ -215,7 +253,10 @@ def _run(*args: str) -> dict[str, Any]:
     # glibc serves a freed block's size from its heap afterwards (its mmap threshold rises up to 32 MiB) and keeps
     # freed heap pages resident: RSS then lags or leads the live tensors by tens of MiB, run to run. A fixed threshold
     # maps every tensor on its own and unmaps it when freed, so the peak RSS is the peak of live memory.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    # A clean environment: what earlier tests set in this process's (transformers' and Lightning's variables) changed
+    # what the child imports, leaving up to 36 MiB of freed but resident memory that the consolidation then reused.
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", ""), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}  # fmt: skip
     proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=500)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -262,13 +262,20 @@ def consolidate(
     # a Lightning file keeps the module's own keys; a folder those of the Hugging Face model inside it, if any
     hugging_face = None if lightning_file else meta.get(HUGGING_FACE_KEY)
     strip = MODEL_PREFIX + (hugging_face["prefix"] if hugging_face else "")
+    tied = {strip + key for key in hugging_face.get("tied", [])} if hugging_face else set()  # as save_pretrained
     entries = [
         (k, md)
         for k, md in stored.items()
-        if k.startswith(strip) and isinstance(md, TensorStorageMetadata) and not k.startswith(NATURAL_SHAPE_PREFIX)
+        if k.startswith(strip)
+        and isinstance(md, TensorStorageMetadata)
+        and not k.startswith(NATURAL_SHAPE_PREFIX)
+        and k not in tied
     ]
     if not entries:
         raise CheckpointError(f"{source} holds no model weights under {strip!r}.")
+    if hugging_face:  # shards are cut in save_pretrained's order; DCP's index spreads copies over the ranks
+        rank = {strip + key: i for i, key in enumerate(_state_dict_order(hugging_face))}
+        entries.sort(key=lambda entry: rank.get(entry[0], len(rank)))  # stable: others keep the checkpoint's order
 
     def out_dtype(saved: torch.dtype) -> torch.dtype:
         return dtype if dtype is not None and saved.is_floating_point else saved
@@ -321,8 +328,9 @@ def _write_lightning_checkpoint(
     partial.replace(output)
 
 
-def hugging_face_info(module: torch.nn.Module) -> Optional[dict[str, str]]:
-    """Where a Hugging Face model sits in ``module`` and its config, for :func:`consolidate` (None if there is none)."""
+def hugging_face_info(module: torch.nn.Module) -> Optional[dict[str, Any]]:
+    """Where a Hugging Face model sits in ``module``, its config, and the weights ``save_pretrained`` leaves out as
+    tied copies, for :func:`consolidate` (None if there is none)."""
     import sys
 
     if "transformers" not in sys.modules:
@@ -335,8 +343,46 @@ def hugging_face_info(module: torch.nn.Module) -> Optional[dict[str, str]]:
                 "prefix": f"{name}." if name else "",
                 "config": sub.config.to_json_string(),
                 "architecture": type(sub).__name__,
+                "tied": _tied_copies(sub),
             }
     return None
+
+
+def _state_dict_order(hugging_face: dict[str, Any]) -> list[str]:
+    """The Hugging Face model's ``state_dict`` keys in its own order, from the model built on the meta device (no
+    memory) from the recorded architecture and config; empty, with a warning, if transformers cannot build it (the
+    export then keeps the checkpoint's order, and only the split into files may differ from save_pretrained's)."""
+    import warnings
+
+    try:
+        import transformers
+
+        cls = getattr(transformers, hugging_face["architecture"])
+        config = cls.config_class.from_dict(json.loads(hugging_face["config"]))
+        with torch.device("meta"):
+            return list(cls(config).state_dict())
+    except Exception as error:  # any failure to rebuild the model only costs the order, never the export
+        warnings.warn(
+            f"Could not build {hugging_face.get('architecture')} on the meta device ({type(error).__name__}: {error}):"
+            " the safetensors files follow the checkpoint's order, not save_pretrained's.",
+            stacklevel=3,
+        )
+        return []
+
+
+def _tied_copies(model: torch.nn.Module) -> list[str]:
+    """The keys a Hugging Face model declares as tied copies (``_tied_weights_keys``: ``{"lm_head.weight":
+    "model.embed_tokens.weight"}``), when its config ties them: ``save_pretrained`` writes only the source, and
+    ``from_pretrained`` ties the copy back. Read from the declaration and the config, not from tensor identity, which
+    tensor parallel (DTensors) and pipeline stages (separate copies) do not keep."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "tie_word_embeddings", False):
+        return []
+    tied: list[str] = []
+    for name, sub in model.named_modules():
+        declared = getattr(sub, "_tied_weights_keys", None) or {}
+        tied += [f"{name}.{key}" if name else key for key in declared if isinstance(key, str)]
+    return tied
 
 
 def main(argv: Optional[list[str]] = None) -> Path:
