@@ -383,7 +383,8 @@ def test_consolidated_weights_equal_the_gathered_parameters(
     reshard_groups: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The (tp=2, pp=2, dp=2) checkpoint at step 6, consolidated without any process group, is exactly the
-    parameters gathered from the ranks after step 6, and loads strictly into the single-device module."""
+    parameters gathered from the ranks after step 6, and loads strictly into the single-device module; consolidated
+    into one ``.ckpt`` file, ``NanoGPT.load_from_checkpoint`` rebuilds the module with those parameters."""
     from safetensors.torch import load_file
 
     from lightning_hybrid.checkpoint import consolidate
@@ -399,6 +400,14 @@ def test_consolidated_weights_equal_the_gathered_parameters(
         assert torch.equal(weights[name], want), f"{name} differs from the gathered parameter"
     module = build_module("nanogpt", **MODEL)
     module.load_state_dict(weights, strict=True)
+
+    from examples.nanogpt import NanoGPT
+
+    loaded = NanoGPT.load_from_checkpoint(consolidate(checkpoint, out / "full.ckpt"))
+    assert loaded.hparams.n_layer == MODEL["n_layer"] and loaded.hparams.bias == MODEL["bias"]
+    state = loaded.state_dict()
+    for name, want in gathered.items():
+        assert torch.equal(state[name], want), f"{name} in the .ckpt differs from the gathered parameter"
 
 
 @pytest.mark.timeout(900)

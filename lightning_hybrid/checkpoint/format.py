@@ -26,16 +26,26 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 __all__ = [
     "META_FILENAME",
     "METADATA_FILENAME",
+    "HUGGING_FACE_KEY",
+    "LAYOUT_KEY",
+    "OPTIMIZER_HYPERPARAMETERS_KEY",
+    "VERSIONS_KEY",
     "CheckpointError",
     "SafeFileSystemReader",
     "check_files",
     "check_shard_files",
+    "lightning_entries",
     "read_meta",
     "staging_path",
 ]
 
 META_FILENAME = "meta.pt"
 METADATA_FILENAME = ".metadata"  # DCP's index file
+# meta.pt's entries of lightning-hybrid's own, beside Lightning's checkpoint dict
+LAYOUT_KEY = "hybrid_layout"
+VERSIONS_KEY = "hybrid_versions"
+OPTIMIZER_HYPERPARAMETERS_KEY = "hybrid_optimizer_param_groups"
+HUGGING_FACE_KEY = "hybrid_hugging_face"
 
 
 class CheckpointError(RuntimeError):
@@ -132,6 +142,18 @@ def read_meta(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]
             f" ({first}), which can run code stored in the file, so it was refused. If you trust this checkpoint,"
             " load it with `trainer.fit(..., ckpt_path=..., weights_only=False)`."
         ) from None
+
+
+def lightning_entries(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` (a checkpoint's ``meta.pt``) without lightning-hybrid's own entries: Lightning's checkpoint dict,
+    less ``state_dict`` and ``optimizer_states`` (which are in DCP's files).
+
+    Example:
+        >>> lightning_entries({"epoch": 1, LAYOUT_KEY: {}})
+        {'epoch': 1}
+    """
+    ours = (LAYOUT_KEY, VERSIONS_KEY, OPTIMIZER_HYPERPARAMETERS_KEY, HUGGING_FACE_KEY)
+    return {k: v for k, v in meta.items() if k not in ours}
 
 
 def check_files(path: Path) -> list[str]:

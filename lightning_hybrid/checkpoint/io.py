@@ -31,14 +31,18 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.optim import Optimizer
 
-from lightning_hybrid.checkpoint.consolidate import HUGGING_FACE_KEY, natural_shape_entries
-from lightning_hybrid.checkpoint.format import (
+from lightning_hybrid.checkpoint.consolidate import natural_shape_entries
+from lightning_hybrid.checkpoint.format import (  # noqa: F401  (LAYOUT_KEY, VERSIONS_KEY: re-exported from here)
+    LAYOUT_KEY,
     META_FILENAME,
     METADATA_FILENAME,
+    OPTIMIZER_HYPERPARAMETERS_KEY,
+    VERSIONS_KEY,
     CheckpointError,
     SafeFileSystemReader,
     check_files,
     check_shard_files,
+    lightning_entries,
     read_meta,
     staging_path,
 )
@@ -69,9 +73,6 @@ __all__ = [
     "read_meta",
 ]
 
-LAYOUT_KEY = "hybrid_layout"
-VERSIONS_KEY = "hybrid_versions"
-OPTIMIZER_HYPERPARAMETERS_KEY = "hybrid_optimizer_param_groups"
 # test-only: "RANK:N" makes that rank SIGKILL itself in the middle of its N-th save (after writing its shards, before
 # the save is committed), to test that a killed save leaves the previous checkpoint intact
 KILL_IN_SAVE_ENV = "LIGHTNING_HYBRID_TEST_KILL_IN_SAVE"
@@ -490,5 +491,4 @@ def load_sharded(
     plan.finish()
     for finish, saved in zip(finishers, hyperparameters):
         finish(plan.request, saved)
-    hybrid_keys = (LAYOUT_KEY, VERSIONS_KEY, OPTIMIZER_HYPERPARAMETERS_KEY, HUGGING_FACE_KEY)
-    return {k: v for k, v in meta.items() if k not in hybrid_keys}
+    return lightning_entries(meta)
