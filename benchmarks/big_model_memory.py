@@ -38,6 +38,7 @@ MODELS = {
     "gpt-0.55b": {"vocab_size": 32000, "n_layer": 24, "n_head": 16, "n_embd": 1280},
     "gpt-0.82b": {"vocab_size": 8192, "n_layer": 28, "n_head": 16, "n_embd": 1536},
     "smoke": {"vocab_size": 256, "n_layer": 4, "n_head": 4, "n_embd": 64},
+    "gpt-0.12b": {"vocab_size": 8192, "n_layer": 8, "n_head": 16, "n_embd": 1024},
 }
 LAYOUTS = {
     "tp2-pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1, "num_microbatches": 2},
@@ -77,6 +78,9 @@ def _module(model: str, construction: str) -> Any:
             if batch_idx == 0:
                 self.peaks["first_step"] = peak_rss_bytes()
 
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.peaks.setdefault("before_first_optimizer_step", peak_rss_bytes())
+
         def validation_step(self, *args: Any) -> None:
             return None
 
@@ -104,7 +108,7 @@ def _rank_main(model: str, construction: str, layout: str, steps: int, out: Path
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(module, loader)
-    record = {"rank": trainer.global_rank, "first_step": module.peaks["first_step"], "end": peak_rss_bytes(),
+    record = {"rank": trainer.global_rank, **module.peaks, "end": peak_rss_bytes(),
               "materialize_peak": trainer.strategy._deferred.peak_bytes}  # fmt: skip
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -135,7 +139,10 @@ def run_case(model: str, construction: str, layout: str, steps: int) -> dict[str
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "benchmarks.big_model_memory", "--rank-main", model, construction, layout,
                str(steps), tmp]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # glibc's dynamic mmap threshold grows to 32 MiB once such blocks are freed, after which freed blocks stay
+        # in its arenas (one per thread: gloo and autograd run several): resident memory then counts what the process
+        # no longer holds. A fixed threshold returns every block of 1 MiB or more to the system when freed.
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=3000)
         ranks = [json.loads(f.read_text()) for f in sorted(Path(tmp).glob("rank*.json"))]
     import math
