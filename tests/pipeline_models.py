@@ -21,7 +21,10 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
     ``late_norm_gpt`` registers ``ln_f`` before the block list and calls it after, and gives no
     ``example_input_array`` (which would show the call order); ``positions_again_gpt`` reads the
     position embedding's output again after the blocks (the last stage only has a zero stand-in for it, and every
-    structural check passes). None for other names."""
+    structural check passes). ``wrapped_forward_gpt``: a module whose forward wraps its network call, and a network
+    whose forward wraps its block loop, in ``try/except Exception`` that re-raises the user's own ``RuntimeError``:
+    the strategy's control flow (stopping at a stage boundary or after the call's inputs are captured) must pass
+    through both. None for other names."""
     from examples.nanogpt import GPT, NanoGPT
 
     class RootParameterGPT(GPT):
@@ -94,6 +97,29 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
             super().__init__(**kwargs)
             self.model = PositionsAgainGPT(self.model.config)
 
+    class WrappingGPT(GPT):
+        def forward(self, idx: Tensor) -> Tensor:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+            try:  # a user's guard around the blocks: whatever fails in them is reported as the user's own error
+                for block in self.h:
+                    x = block(x)
+            except Exception as error:
+                raise RuntimeError("wrapped: the blocks failed") from error
+            return self.lm_head(self.ln_f(x))
+
+    class WrappedForward(NanoGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.model = WrappingGPT(self.model.config)
+
+        def forward(self, idx: Tensor) -> Tensor:
+            try:  # the issue's module: the network call wrapped, its failures re-raised as the user's error
+                return self.model(idx)
+            except Exception as error:
+                raise RuntimeError("wrapped: the network failed") from error
+
     classes = {"posemb_gpt": PosEmbGPT, "nanogpt_tied_aux_head": TiedAuxHead, "nanogpt_rank_marker": RankMarker,
-               "late_norm_gpt": LateNorm, "positions_again_gpt": PositionsAgain}  # fmt: skip
+               "late_norm_gpt": LateNorm, "positions_again_gpt": PositionsAgain,
+               "wrapped_forward_gpt": WrappedForward}  # fmt: skip
     return classes[model](**kwargs) if model in classes else None

@@ -224,6 +224,17 @@ MISFITS = [
                 expect_error=True), "model": "positions_again_gpt"},
 ]  # fmt: skip
 WORLD2 += FOREIGN + MISFITS
+# a module and network that wrap their calls in `try/except Exception` (tests/pipeline_models.py): the strategy's own
+# control flow (the stage boundary, the capture of the network's inputs, the tensor-parallel plan's trace) is not an
+# Exception they can catch, so they train like one device
+WRAPPED = [
+    {**scenario(name, "nanogpt", layout, 1, model_kwargs=LAYERS4), "model": "wrapped_forward_gpt"}
+    for name, layout in (
+        ("wrapped-forward-pp2", _pp(2, "1f1b", 2)),
+        ("wrapped-forward-tp2", {"tensor_parallel_size": 2, "verify_tensor_parallel": True}),
+    )
+]
+WORLD2 += WRAPPED
 TIED_CLIP = {"pp2-tied-clip": {"model.lm_head.weight": "model.wte.weight"}}
 GROUPS = {2: WORLD2, 4: WORLD4, 8: WORLD8}
 PARITY = [s for group in GROUPS.values() for s in group if not s.get("expect_error") and not s.get("callbacks")]
@@ -547,3 +558,43 @@ def test_verify_pipeline_takes_true_false_or_auto() -> None:
     with pytest.raises(HybridConfigError, match=r"`verify_pipeline` must be True, False or 'auto', got 'yes'"):
         HybridStrategy(pipeline_parallel_size=2, verify_pipeline="yes")
     HybridStrategy(pipeline_parallel_size=2, verify_pipeline=False)
+
+
+def test_the_strategys_stops_pass_through_a_users_except_exception() -> None:
+    """In one process, the three stops a user's `try/except Exception` once caught: the capture of the network's
+    inputs, a stage's forward ending after its last block, and the tensor-parallel trace ending after the first
+    block (the multi-process `wrapped-forward-*` scenarios train through them)."""
+    import torch
+    from torch import nn
+
+    from lightning_hybrid.pipeline.stage import StageBoundary
+    from lightning_hybrid.pipeline.step import capture_call
+    from lightning_hybrid.tensor_parallel.discover import discover_block_plan
+
+    def guarded(call: Any) -> Any:
+        try:
+            return call()
+        except Exception as error:
+            raise RuntimeError("the user's own error") from error
+
+    net = nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    assert capture_call(net, lambda: guarded(lambda: net(x))) == ((x,), {})
+
+    def stop(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        raise StageBoundary(output)
+
+    handle = net.register_forward_hook(stop)
+    with pytest.raises(StageBoundary):
+        guarded(lambda: net(x))
+    handle.remove()
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return guarded(lambda: self.blocks[0](x))
+
+    assert discover_block_plan(Root(), "blocks.0", torch.zeros(2, 4)).styles == {"0": "colwise", "2": "rowwise"}

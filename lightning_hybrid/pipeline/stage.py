@@ -43,8 +43,11 @@ __all__ = [
 ]
 
 
-class StageBoundary(Exception):
-    """Raised after a stage's last block to end the network's forward early; carries the block's output."""
+class StageBoundary(BaseException):
+    """Raised after a stage's last block to end the network's forward early; carries the block's output.
+
+    A ``BaseException``, as ``GeneratorExit`` is: control flow, not an error. A network whose forward wraps its blocks
+    in ``try/except Exception`` (to re-raise its own error) would otherwise catch the stop and fail the step."""
 
     def __init__(self, output: torch.Tensor) -> None:
         self.output = output

@@ -153,7 +153,10 @@ class TimedStage(PipelineStage):
             self.timer.record(kind, self.stage_index, chunk, begin)
 
 
-class _Reached(Exception):
+class _Reached(BaseException):
+    """Raised at the network's call to end the user's step there (:func:`capture_call`). A ``BaseException``, as
+    ``GeneratorExit`` is: a step that wraps its network call in ``try/except Exception`` would otherwise catch it."""
+
     def __init__(self, args: tuple, kwargs: dict) -> None:
         self.call = (args, kwargs)
 

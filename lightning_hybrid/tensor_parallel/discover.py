@@ -49,8 +49,10 @@ _RESHAPES = {"view", "reshape", "unflatten"}
 _PASS_THROUGH = {"to", "contiguous", "clone", "float", "half", "bfloat16", "type_as", "dropout"}
 
 
-class _StopAfterBlock(Exception):
-    """Ends the discovery forward once the first block has run: nothing after it is needed."""
+class _StopAfterBlock(BaseException):
+    """Ends the discovery forward once the first block has run: nothing after it is needed. A ``BaseException``, as
+    ``GeneratorExit`` is: a forward that wraps its network call in ``try/except Exception`` would otherwise catch it
+    (and the plan would be refused, or left unchecked, for the user's error)."""
 
 
 class _DataFlow(TorchFunctionMode):
