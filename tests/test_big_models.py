@@ -50,7 +50,7 @@ PARITY = [s for group in GROUPS.values() for s in group]
 
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("case", PARITY, ids=[s["name"] for s in PARITY])
-def test_deferred_construction_trains_like_one_device(shared_groups, case: dict[str, Any]) -> None:
+def test_deferred_construction_parity_with_one_device(shared_groups, case: dict[str, Any]) -> None:
     world = next(w for w, group in GROUPS.items() if case in group)
     result = shared_groups(world).get(case["name"])
     assert_parity(result, reference_for(case))
