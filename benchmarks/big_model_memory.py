@@ -4,7 +4,7 @@ machine's memory would allow if every rank built it whole.
 
     python -m benchmarks.big_model_memory          # the 0.55B GPT at tp2 x pp2 (4 processes): tiny, full, deferred
     python -m benchmarks.big_model_memory --big    # also a 0.82B GPT at tp2 x dp4, ZeRO-3 (8 processes), 3 steps
-    python -m benchmarks.big_model_memory --smoke  # tiny sizes (the test suite runs this)
+    python -m benchmarks.big_model_memory --smoke  # tiny sizes, nothing written (a quick check of the script)
 
 Each case is one Lightning run on CPU processes (gloo); each rank records its peak resident memory
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) when its first training batch starts and after its last step, and the
