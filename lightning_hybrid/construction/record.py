@@ -176,9 +176,13 @@ def _recorded_initializers(recorder: _Recorder) -> Iterator[None]:
 
     def recording(original: Any) -> Any:
         def initializer(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(tensor, Tensor) and tensor.is_meta:
-                recorder.record_initializer(original, (tensor, *args), kwargs)
-            return original(tensor, *args, **kwargs)
+            if not (isinstance(tensor, Tensor) and tensor.is_meta):
+                return original(tensor, *args, **kwargs)
+            recorder.record_initializer(original, (tensor, *args), kwargs)
+            # the call is the unit the replay makes: the ATen calls it runs on meta (torch versions whose sampling
+            # does not read values run it there) are not recorded a second time
+            with recorder.suspended():
+                return original(tensor, *args, **kwargs)
 
         return initializer
 
@@ -195,6 +199,15 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, record: ConstructionRecord) -> None:
         super().__init__()
         self.record = record
+        self._suspended = False
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
 
     def record_initializer(self, func: Any, args: tuple, kwargs: dict) -> None:
         """An in-place initializer of ``args[0]``: it writes the whole tensor without reading it, and may draw."""
@@ -226,6 +239,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if self._suspended:
+            return func(*args, **kwargs)
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         generator = generator_state(self.record.device_type) if seeded else None
         out = func(*args, **kwargs)

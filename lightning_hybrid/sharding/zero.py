@@ -886,7 +886,14 @@ class ShardedOptimizer:
             self.buckets.reduce()  # usually done already, at the end of the armed backward pass
             return
         if not self.uses_masters and self.dp == 1:
-            return  # nothing to reduce, and the optimizer steps the parameters' own gradients
+            # nothing to reduce, and the optimizer steps the parameters' own gradients; one that DTensor autograd
+            # left in another placement (a vocab-parallel embedding's comes back Replicate: the whole table on every
+            # tensor-parallel rank) is cut to its parameter's placement, a local slice
+            for g in self.groups:
+                for p in g.params:
+                    if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            return
         for g in self.groups:
             if not g.params:
                 self._flat_grads.append(None)
