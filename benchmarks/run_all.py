@@ -38,7 +38,7 @@ SMOKE = {"warmup": 0, "measured": 1, "rounds": 1}
 _PER_STEP = " Profiled per-step costs:"
 CAUSES: dict[str, str] = {
     "dp2_zero0": "Both average the gradients in 25 MB buckets started during the backward pass (HybridStrategy's"
-    " `GradientBuckets` in `lightning_hybrid/sharding/zero.py`, DDP's reducer), so the difference is the work"
+    " `GradientBuckets` in `lightning_hybrid/sharding/buckets.py`, DDP's reducer), so the difference is the work"
     " around them each step. On 2 shared cores gloo's communication thread competes with the backward compute, and"
     " the last bucket (the embeddings, whose gradient comes last) cannot overlap in either." + _PER_STEP,
     "dp2_zero1": "DeepSpeed's engine runs without Lightning's loop and logging (the example's `training_step` logs"

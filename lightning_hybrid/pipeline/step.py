@@ -6,7 +6,6 @@ back to the strategy, and the timeline of its compute actions.
 * :class:`StepResults` is the step's loss or outputs and its logged values, the same on every rank; the strategy
   logs them once per step (:meth:`StepResults.log`).
 * :class:`TimedStage` is torch's ``PipelineStage`` timing each forward/backward action into a :class:`StepTimeline`.
-* :func:`capture_call` runs a callable up to a module's first call and returns that call's arguments.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_hybrid.steps import sync_over
@@ -24,7 +23,7 @@ from lightning_hybrid.steps import sync_over
 if TYPE_CHECKING:
     from lightning_hybrid.pipeline.verify import FirstStepChecks
 
-__all__ = ["ActionTimer", "StepContext", "StepResults", "StepTimeline", "TimedStage", "capture_call"]
+__all__ = ["ActionTimer", "StepContext", "StepResults", "StepTimeline", "TimedStage"]
 
 LogRecord = tuple[str, Any, tuple, dict]
 """One ``self.log(name, value, *args, **kwargs)`` call of the user's step."""
@@ -151,35 +150,3 @@ class TimedStage(PipelineStage):
             return action(chunk, *args, **kwargs)
         finally:
             self.timer.record(kind, self.stage_index, chunk, begin)
-
-
-class _Reached(BaseException):
-    """Raised at the network's call to end the user's step there (:func:`capture_call`). A ``BaseException``, as
-    ``GeneratorExit`` is: a step that wraps its network call in ``try/except Exception`` would otherwise catch it."""
-
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        self.call = (args, kwargs)
-
-
-def capture_call(module: nn.Module, run: Callable[[], Any]) -> Optional[tuple[tuple, dict]]:
-    """``run()`` up to ``module``'s first call: that call's (args, kwargs) as ``module`` receives them, before its
-    other forward pre-hooks; None if ``run`` returned without calling ``module``. Nothing after the call runs, so
-    capturing the network's inputs from the user's step costs the step's code before the network only.
-
-    Example:
-        >>> net = nn.Linear(2, 2)
-        >>> capture_call(net, lambda: net(1.0) + 1)
-        ((1.0,), {})
-    """
-
-    def reached(_: nn.Module, args: tuple, kwargs: dict) -> None:
-        raise _Reached(args, kwargs)
-
-    handle = module.register_forward_pre_hook(reached, with_kwargs=True, prepend=True)
-    try:
-        run()
-    except _Reached as stop:
-        return stop.call
-    finally:
-        handle.remove()
-    return None

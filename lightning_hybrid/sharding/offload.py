@@ -44,7 +44,7 @@ from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import like
 
 if TYPE_CHECKING:
-    from lightning_hybrid.sharding.zero import ShardedOptimizer
+    from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["OptimizerOffload", "attach_offload", "check_offloadable", "cpu_adam_class", "offload_ledger"]
 

@@ -15,9 +15,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._lightning_compat import unwrap_optimizer
+from lightning_hybrid.sharding.gradient_sync import GradientSync
 from lightning_hybrid.sharding.memory import measure_model_state_bytes
 from lightning_hybrid.sharding.norm import GradientNorm
-from lightning_hybrid.sharding.zero import GradientSync, ShardedOptimizer
+from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
