@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._lightning_compat import module_device_mesh, module_trainer
 from lightning_hybrid.agreement import computed_on_one_rank, raise_together
+from lightning_hybrid.batch_norm import sync_batch_norm
 from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
 from lightning_hybrid.config import HybridConfigError, ParallelLayout
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
@@ -28,7 +29,7 @@ from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.pipeline.shared import SharedParameters, find_shared_parameters
 from lightning_hybrid.pipeline.stage import InputStub, SkippedBlock
 from lightning_hybrid.pipeline.verify import PipelineVerifier, make_verifier
-from lightning_hybrid.sharding import GradientSync, apply_fully_shard, check_user_sharding, sync_batch_norm
+from lightning_hybrid.sharding import GradientSync, apply_fully_shard, check_user_sharding
 from lightning_hybrid.structure import ModelStructure, block_list_needed_by, find_model_structure
 from lightning_hybrid.tensor_parallel import (
     TensorParallelPlan,

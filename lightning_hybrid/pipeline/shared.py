@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import local_grad
 from lightning_hybrid.pipeline.stage import NetworkSplit
+from lightning_hybrid.process_groups import subgroup
 from lightning_hybrid.structure import state_dict_name
-from lightning_hybrid.topology import subgroup
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

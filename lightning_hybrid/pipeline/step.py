@@ -13,15 +13,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
-
-from lightning_hybrid.steps import sync_over
-
-if TYPE_CHECKING:
-    from lightning_hybrid.pipeline.verify import FirstStepChecks
 
 __all__ = ["ActionTimer", "StepContext", "StepResults", "StepTimeline", "TimedStage"]
 
@@ -50,8 +45,9 @@ class StepContext:
     """What the user's step logged, per micro-batch (last stage only)."""
     weights: Optional[list[float]] = None
     """Each micro-batch's factor on its loss (default: loss scale / micro-batches; verify_pipeline keeps one)."""
-    checks: Optional[FirstStepChecks] = None
-    """The structural checks, on the first training step only."""
+    checks: Optional[Any] = None
+    """The structural checks, on the first training step only: the runner's ``pipeline.verify.FirstStepChecks``
+    (not named in the type: the checks read the cut, whose stage modules read this context)."""
     active: Optional[tuple[int, Optional[Tensor]]] = None
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     """What the step added to each torchmetrics object it updated (last stage only; ``MetricMirror.end``)."""
@@ -74,12 +70,11 @@ class StepResults:
     output: Any
     logged: list[LogRecord] = field(default_factory=list)
 
-    def log(self, log: Callable[..., None], sync_group: Any = None) -> Any:
-        """Call ``log`` (``LightningModule.log``) once per logged name; a ``sync_dist=True`` record without its own
-        group reduces over ``sync_group`` (pipeline and tensor peers hold the same value: only the data-parallel
-        replicas differ). Returns ``output``."""
+    def log(self, log: Callable[..., None]) -> Any:
+        """Call ``log`` (``LightningModule.log``; the strategy's step makes its ``sync_dist`` reduce over the
+        data-parallel group, see :func:`lightning_hybrid.steps.run_step`) once per logged name. Returns ``output``."""
         for name, value, args, kwargs in self.logged:
-            log(name, value, *args, **sync_over(kwargs, sync_group))
+            log(name, value, *args, **kwargs)
         return self.output
 
 

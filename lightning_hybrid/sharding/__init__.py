@@ -5,11 +5,9 @@ Modules, one mechanism each: :mod:`.flat` (the flat gradient and shard buffers, 
 overlapped with backward, ZeRO-0), :mod:`.sharded_buckets` (ZeRO-2 buckets reduced to the shard owners during
 backward), :mod:`.sharded_optimizer` (ZeRO-0/1/2 around the user's optimizer), :mod:`.fsdp` (ZeRO-3 with FSDP2),
 :mod:`.norm` (the global gradient norm), :mod:`.offload` (optimizer steps on the host), :mod:`.memory` (the model-state
-report), :mod:`.batch_norm` (SyncBatchNorm over the data-parallel group) and :mod:`.step` (one optimizer step's
-gradients, in order).
+report) and :mod:`.step` (one optimizer step's gradients, in order).
 """
 
-from lightning_hybrid.sharding.batch_norm import sync_batch_norm
 from lightning_hybrid.sharding.buckets import GradientBuckets
 from lightning_hybrid.sharding.fsdp import apply_fully_shard, check_user_sharding, user_fully_sharded
 from lightning_hybrid.sharding.gradient_sync import GradientSync
@@ -26,6 +24,5 @@ __all__ = [
     "check_user_sharding",
     "expected_model_state_bytes",
     "measure_model_state_bytes",
-    "sync_batch_norm",
     "user_fully_sharded",
 ]

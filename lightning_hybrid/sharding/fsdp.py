@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._torch_compat import is_strided_shard
+from lightning_hybrid.config import HybridConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -89,8 +90,6 @@ def check_user_sharding(module: nn.Module, zero_stage: int, pipeline_parallel_si
         >>> check_user_sharding(nn.Linear(2, 2), zero_stage=1)
     """
     if pipeline_parallel_size > 1 and user_fully_sharded(module):
-        from lightning_hybrid.config import HybridConfigError
-
         # each pipeline stage is its own FSDP2 unit; the user's units span the whole model (a second fully_shard
         # over their DTensors fails: "Cannot concatenate overlapping meshes")
         raise HybridConfigError(
@@ -100,8 +99,6 @@ def check_user_sharding(module: nn.Module, zero_stage: int, pipeline_parallel_si
             " stage), or use `pipeline_parallel_size=1`."
         )
     if zero_stage < 3 and user_fully_sharded(module):
-        from lightning_hybrid.config import HybridConfigError
-
         raise HybridConfigError(
             f"`zero_stage={zero_stage}`, but the LightningModule's `configure_model` already applied FSDP2's"
             " `fully_shard` (parameters sharded over the data-parallel dimension: ZeRO-3). Pass `zero_stage=3`, or"
