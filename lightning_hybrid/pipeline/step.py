@@ -45,7 +45,7 @@ class StepContext:
     """What the user's step logged, per micro-batch (last stage only)."""
     weights: Optional[list[float]] = None
     """Each micro-batch's factor on its loss (default: loss scale / micro-batches; verify_pipeline keeps one)."""
-    checks: Optional[Any] = None
+    checks: Any = None
     """The structural checks, on the first training step only: the runner's ``pipeline.verify.FirstStepChecks``
     (not named in the type: the checks read the cut, whose stage modules read this context)."""
     active: Optional[tuple[int, Optional[Tensor]]] = None
