@@ -171,10 +171,13 @@ KNOWN_COSTS: dict[tuple[str, str], str] = {
     " network call to learn its inputs, once per micro-batch on ranks holding a stage before the last",
     ("lightning_hybrid/pipeline/runner.py", "_take_gradients"): "`PipelineRunner._take_gradients` holds the step's"
     " gradients aside from Lightning's `zero_grad` between `training_step` and `backward`",
-    ("lightning_hybrid/sharding/zero.py", "reduce_gradients"): "the ZeRO reduction after the backward pass (stages"
-    " 1/2: flatten and reduce-scatter; stage 0 with buckets: waiting for buckets still in flight)",
-    ("lightning_hybrid/sharding/zero.py", "_end_of_backward"): "the end of the backward pass waits for the gradient"
-    " buckets still in flight (the last bucket, the embeddings, cannot overlap) and averages them",
+    ("lightning_hybrid/sharding/sharded_optimizer.py", "reduce_gradients"): "the ZeRO reduction after the backward"
+    " pass (stages 1/2: flatten and reduce-scatter; stage 0 with buckets: waiting for buckets still in flight)",
+    ("lightning_hybrid/sharding/buckets.py", "_end_of_backward"): "the end of the backward pass waits for the"
+    " gradient buckets still in flight (the last bucket, the embeddings, cannot overlap) and averages them",
+    ("lightning_hybrid/sharding/sharded_buckets.py", "_end_of_backward"): "the end of the backward pass waits for"
+    " the ZeRO-2 buckets still in flight (the last bucket, the embeddings, cannot overlap) and adds their pieces into"
+    " this rank's shard",
     ("lightning_hybrid/pipeline/stage.py", "active"): "`NetworkSplit.active` switches to the stage's prepared module"
     " swaps for every forward action",
     ("lightning/pytorch/loops/training_epoch_loop.py", "_broadcast_sigterm_tensor"): "Lightning's training loop"
@@ -193,15 +196,16 @@ KNOWN_COSTS: dict[tuple[str, str], str] = {
 COMMUNICATION_CAUSES: dict[tuple[str, Optional[int], Optional[bool]], str] = {
     ("data", 3, True): "With a pipeline, FSDP2 gathers each stage's parameters again for every micro-batch:"
     " `fully_shard` is applied with its default `reshard_after_forward=True` (`apply_fully_shard` in"
-    " `lightning_hybrid/sharding/zero.py` and `wrap_stage` in `HybridStrategy._build_runner`,"
+    " `lightning_hybrid/sharding/fsdp.py` and `wrap_stage` in `HybridStrategy._build_runner`,"
     " `lightning_hybrid/strategy.py`), so the parameters are freed after each micro-batch's forward and gathered"
     " again for the next micro-batch and for each backward: about m all-gathers per step where the minimum is 2"
     " (torchtitan passes `reshard_after_forward=False` when pipeline parallel is on, trading memory for this"
     " traffic). The plain-torch 3D script uses the same default, so the step-time comparison is like for like.",
     ("data", 1, None): "ZeRO-1 all-reduces the whole gradient and then keeps only its shard"
-    " (`ShardedOptimizer.reduce_gradients` in `lightning_hybrid/sharding/zero.py`, `_all_reduce_mean` for stage 1),"
-    " where a reduce-scatter (what stage 2 does) moves half the gradient bytes; with the parameter all-gather that"
-    " is 1.5x the minimum. The full reduced gradient is what `gathered_gradients` and the global norm read.",
+    " (`ShardedOptimizer.reduce_gradients` in `lightning_hybrid/sharding/sharded_optimizer.py`, `all_reduce_mean`"
+    " for stage 1), where a reduce-scatter (what stage 2 does) moves half the gradient bytes; with the parameter"
+    " all-gather that is 1.5x the minimum. The full reduced gradient is what `gathered_gradients` and the global norm"
+    " read.",
     ("data", 3, None): "FSDP2 gathers the parameters twice (forward, backward) and reduce-scatters the gradients; fused"
     " q|k|v biases split by tensor parallel are left out of FSDP2 and all-reduced on their own, and the loss and"
     " norm all-reduces add their few bytes.",

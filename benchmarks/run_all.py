@@ -38,7 +38,7 @@ SMOKE = {"warmup": 0, "measured": 1, "rounds": 1}
 _PER_STEP = " Profiled per-step costs:"
 CAUSES: dict[str, str] = {
     "dp2_zero0": "Both average the gradients in 25 MB buckets started during the backward pass (HybridStrategy's"
-    " `GradientBuckets` in `lightning_hybrid/sharding/zero.py`, DDP's reducer), so the difference is the work"
+    " `GradientBuckets` in `lightning_hybrid/sharding/buckets.py`, DDP's reducer), so the difference is the work"
     " around them each step. On 2 shared cores gloo's communication thread competes with the backward compute, and"
     " the last bucket (the embeddings, whose gradient comes last) cannot overlap in either." + _PER_STEP,
     "dp2_zero1": "DeepSpeed's engine runs without Lightning's loop and logging (the example's `training_step` logs"
@@ -58,7 +58,7 @@ CAUSES: dict[str, str] = {
     " every stage, the input stubs and pass-through blocks of the cut and one timing record per action. Per step:"
     " one tensor broadcast of the loss and logged values, one Lightning `self.log` per logged name (its"
     " `sync_dist` reduces over the data-parallel group: nothing to reduce here), the gradient stash. Outside the"
-    " runner: the hang watchdog's observer of every point-to-point wait (`lightning_hybrid/monitoring/comm.py`, a"
+    " runner: the hang watchdog's observer of every point-to-point wait (`lightning_hybrid/c10d_interception.py`, a"
     " signature bind per send/recv), Lightning's loop hooks and progress tracking, the `optimizer_step` closure,"
     " which the plain loop does not have, and Lightning's broadcast of rank 0's SIGTERM flag before every batch (a"
     " blocking collective, kept: read a batch late, a rank that got SIGTERM alone would leave while its peers start"

@@ -1,7 +1,9 @@
-"""Forward hooks that rewrite a block's hidden-state input or output, whether it comes positionally or by keyword.
+"""Forward hooks that rewrite a block's hidden-state input or output, whether it comes positionally or by keyword,
+and one that stops a run at a module's call to capture its arguments.
 
 Shared by sequence parallel (re-layout at region borders) and the pipeline (substitute the received activation,
 stop after a stage's last block): torch's ``PrepareModuleInput`` needs to know in advance which of the two it is.
+:func:`capture_call` is how the pipeline and both verifications find the network's inputs in the user's step.
 """
 
 from __future__ import annotations
@@ -91,3 +93,35 @@ def forward_replaced(module: nn.Module, fn: Callable) -> Any:
 
 
 _MISSING = object()
+
+
+class _Reached(BaseException):
+    """Raised at the network's call to end the user's step there (:func:`capture_call`). A ``BaseException``, as
+    ``GeneratorExit`` is: a step that wraps its network call in ``try/except Exception`` would otherwise catch it."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.call = (args, kwargs)
+
+
+def capture_call(module: nn.Module, run: Callable[[], Any]) -> Optional[tuple[tuple, dict]]:
+    """``run()`` up to ``module``'s first call: that call's (args, kwargs) as ``module`` receives them, before its
+    other forward pre-hooks; None if ``run`` returned without calling ``module``. Nothing after the call runs, so
+    capturing the network's inputs from the user's step costs the step's code before the network only.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> capture_call(net, lambda: net(1.0) + 1)
+        ((1.0,), {})
+    """
+
+    def reached(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Reached(args, kwargs)
+
+    handle = module.register_forward_pre_hook(reached, with_kwargs=True, prepend=True)
+    try:
+        run()
+    except _Reached as stop:
+        return stop.call
+    finally:
+        handle.remove()
+    return None

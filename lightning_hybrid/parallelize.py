@@ -19,7 +19,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_hybrid._lightning_compat import module_device_mesh, module_trainer
 from lightning_hybrid.agreement import computed_on_one_rank, raise_together
+from lightning_hybrid.batch_norm import sync_batch_norm
 from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
 from lightning_hybrid.config import HybridConfigError, ParallelLayout
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
@@ -27,7 +29,7 @@ from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.pipeline.shared import SharedParameters, find_shared_parameters
 from lightning_hybrid.pipeline.stage import InputStub, SkippedBlock
 from lightning_hybrid.pipeline.verify import PipelineVerifier, make_verifier
-from lightning_hybrid.sharding import GradientSync, apply_fully_shard, check_user_sharding, sync_batch_norm
+from lightning_hybrid.sharding import GradientSync, apply_fully_shard, check_user_sharding
 from lightning_hybrid.structure import ModelStructure, block_list_needed_by, find_model_structure
 from lightning_hybrid.tensor_parallel import (
     TensorParallelPlan,
@@ -169,7 +171,7 @@ def parallelize(
         network = module.get_submodule(structure.network_name) if structure.network_name else module
         tp_verifier = make_verifier(
             tp_options.verify, module, network, mesh, precision=precision.precision, last_stage_rank=0,
-            option="verify_tensor_parallel",
+            option="verify_tensor_parallel", shared=_attached_to(module),
         )  # fmt: skip
     # 3. tensor parallel: applied to what this rank holds
     replicated, vocab_head = _apply_tensor_parallel(module, structure, plan, layout, mesh, user_parallelized, cut)
@@ -243,6 +245,11 @@ def _apply_tensor_parallel(
             )
         return [(n, "avg") for n, p in module.named_parameters() if not isinstance(p, DTensor)], None
     return [], None
+
+
+def _attached_to(module: nn.Module) -> tuple[Any, ...]:
+    """What a LightningModule is attached to (its trainer and mesh): an unsplit copy of its network shares them."""
+    return module_trainer(module), module_device_mesh(module)
 
 
 def _cast(module: nn.Module, layout: ParallelLayout, precision: HybridPrecision) -> None:
@@ -346,6 +353,7 @@ def _cut_pipeline(
             mesh,
             precision=precision.precision,
             last_stage_rank=stage_plan.owner[-1],
+            shared=_attached_to(module),
         )
         split = split_network(network, blocks_rel, stage_plan, pipeline_rank, root=module)
     unit = "seconds" if partition == "profile" else "params"

@@ -56,8 +56,9 @@ def run_step(
             # division of the loss by accumulate_grad_batches, which it applies to the loss it differentiates itself
             runner.loss_scale = (precision.loss_scale or 1.0) / _accumulation(module, name)
             results = runner.run(name, *args, *kwargs.values())
-            # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank
-            return results.log(module.log, data_group)
+            # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank; pipeline
+            # and tensor peers hold the same value, so `sync_dist` reduces over the data-parallel replicas only
+            return results.log(lambda key, value, *a, **kw: module.log(key, value, *a, **sync_over(kw, data_group)))
         explained = parallelized.explained_failures if parallelized is not None else lambda _: nullcontext()
         if name == "training_step" and parallelized is not None and parallelized.verifier is not None:
             with explained(module):

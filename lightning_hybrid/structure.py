@@ -5,6 +5,9 @@ pipeline (where to cut) all need the same answer, so it is found once, here, and
 
 Data parallel and ZeRO need no block list: a module without one (a CNN, an MLP) has a structure with
 ``blocks_name=None``, and only the features that cut or recompute per block ask for it (``needed_by``).
+
+A parameter's name is read the same way everywhere too (:func:`state_dict_name`: without the wrappers torch inserts),
+by the pipeline's shared parameters, its verification and the checkpoints alike.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from typing import Optional
 
 from torch import nn
 
+from lightning_hybrid._torch_compat import WRAPPER_PREFIXES
 from lightning_hybrid.config import HybridConfigError
 
-__all__ = ["ModelStructure", "block_list_needed_by", "find_model_structure", "other_block_lists"]
+__all__ = ["ModelStructure", "block_list_needed_by", "find_model_structure", "other_block_lists", "state_dict_name"]
 
 
 @dataclass
@@ -245,3 +249,15 @@ def embedding_and_head(
 
 def _inside(name: str, blocks_name: str) -> bool:
     return name == blocks_name or name.startswith(blocks_name + ".")
+
+
+def state_dict_name(name: str) -> str:
+    """A parameter's name as its state-dict key: without the module wrappers torch inserts into parameter names.
+
+    Example:
+        >>> state_dict_name("h.0._checkpoint_wrapped_module.attn.weight")
+        'h.0.attn.weight'
+    """
+    for part in WRAPPER_PREFIXES:
+        name = name.replace(part, "")
+    return name

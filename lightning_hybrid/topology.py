@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import lightning_hybrid._lightning_compat as compat
 from lightning_hybrid._torch_compat import group_options
 from lightning_hybrid.config import ParallelLayout
+from lightning_hybrid.process_groups import forget_subgroups
 from lightning_hybrid.watchdog import HangWatchdog, configure_flight_recorder
 
 __all__ = [
@@ -32,7 +33,6 @@ __all__ = [
     "format_rank_table",
     "gather_rank_devices",
     "start_topology",
-    "subgroup",
     "with_lightning_names",
 ]
 
@@ -75,29 +75,6 @@ def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: Optiona
 # after 5 fits). Every rank builds the same layouts in the same order, so every rank hits or misses alike.
 _MESHES: dict[tuple, DeviceMesh] = {}
 atexit.register(_MESHES.clear)  # where the script made the default group: its groups are not held into finalization
-
-
-def subgroup(ranks: list[int]) -> Any:
-    """``dist.new_group(ranks)``, made once per process and reused by later fits, as the meshes are (each new group
-    keeps its threads until exit). Collective like ``new_group``: every rank calls it with the same ranks in the same
-    order, and gets the same answer, made or reused: a group is reused while the default group it was made under
-    lives (a script that destroyed the groups and initialized again gets new ones on every rank).
-
-    Example:
-        >>> # holders = subgroup([0, 3])  # the pipeline ranks that hold a tied weight
-    """
-    world = dist.group.WORLD
-    key = (tuple(ranks), dist.get_backend())
-    cached = _SUBGROUPS.get(key)
-    if cached is not None and cached[0] is world:
-        return cached[1]
-    group = dist.new_group(list(ranks))
-    _SUBGROUPS[key] = (world, group)
-    return group
-
-
-_SUBGROUPS: dict[tuple, tuple[Any, Any]] = {}  # (ranks, backend) -> (the default group then, the group)
-atexit.register(_SUBGROUPS.clear)
 
 
 def _groups_alive(mesh: DeviceMesh) -> bool:
@@ -229,7 +206,7 @@ def _destroy_groups_at_exit() -> None:
 
     compat.destroy_dist_connection()
     _MESHES.clear()  # the cached meshes hold their groups: freed here, with the rest, not in finalization
-    _SUBGROUPS.clear()
+    forget_subgroups()
     gc.collect()
 
 

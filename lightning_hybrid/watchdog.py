@@ -8,7 +8,7 @@ without a word on which rank held the job up. This module adds the missing word 
   it) records every collective in C++, NCCL and gloo alike (DTensor's functional collectives included): its per-group
   sequence numbers tell who has entered a collective and who has not. Under gloo it does not record ``send``/``recv``:
   the pipeline's point-to-point waits come from the communication meter's patches of the c10d functions
-  (:func:`~lightning_hybrid.monitoring.comm.observe_p2p_waits`), which note only when a wait begins and ends.
+  (:func:`~lightning_hybrid.c10d_interception.observe_p2p_waits`), which note only when a wait begins and ends.
 - **Heartbeats.** A daemon thread publishes that state to the job's store every few seconds (never per collective:
   nothing extra runs on the training path but the point-to-point bookkeeping).
 - **On a timeout** (the collective raised, or this rank has waited past the timeout), the rank flags the hang in the
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch.distributed as dist
 
 from lightning_hybrid._torch_compat import flight_recorder_dumper
+from lightning_hybrid.c10d_interception import P2PObserver, observe_p2p_waits
 from lightning_hybrid.config import HybridConfigError
-from lightning_hybrid.monitoring.comm import P2PObserver, observe_p2p_waits
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

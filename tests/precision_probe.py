@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_hybrid.sharding.zero import ShardedGradientBuckets, local_grad, local_tensor
+from lightning_hybrid.dtensor import local_grad, local_tensor
+from lightning_hybrid.sharding import ShardedGradientBuckets
 
 
 class InjectInf(L.Callback):

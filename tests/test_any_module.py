@@ -177,7 +177,7 @@ def test_a_dict_plan_needs_no_block_list() -> None:
 def test_sync_batchnorm_converts_over_the_data_parallel_group_only() -> None:
     from lightning.pytorch.plugins import TorchSyncBatchNorm
 
-    from lightning_hybrid.sharding import sync_batch_norm
+    from lightning_hybrid.batch_norm import sync_batch_norm
     from tests.any_module_models import SmallCNN
 
     module, group = SmallCNN(), object()  # the group is only stored at conversion

@@ -474,7 +474,7 @@ def test_zero2_bucket_spans_groups_with_one_reduction_per_owner(dp):
     """A ZeRO-2 bucket may hold parameters of several optimizer groups (decay and no-decay alternate in every block):
     its buffer is ordered by the rank that owns each piece, so it is one contiguous reduction per owner; each element
     of each group's flat buffer lands in exactly one run, at the place the parameter's gradient is added."""
-    from lightning_hybrid.sharding.zero import _ShardBucket
+    from lightning_hybrid.sharding.sharded_buckets import _ShardBucket
 
     torch.manual_seed(0)
     sizes = {"decay": [12, 7, 30], "rest": [5, 9, 4]}

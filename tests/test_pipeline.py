@@ -567,8 +567,8 @@ def test_the_strategys_stops_pass_through_a_users_except_exception() -> None:
     import torch
     from torch import nn
 
+    from lightning_hybrid._hooks import capture_call
     from lightning_hybrid.pipeline.stage import StageBoundary
-    from lightning_hybrid.pipeline.step import capture_call
     from lightning_hybrid.tensor_parallel.discover import discover_block_plan
 
     def guarded(call: Any) -> Any:

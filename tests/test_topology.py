@@ -47,7 +47,7 @@ def _worker(rank: int, store: str, results: dict) -> None:
         dist.all_reduce(t, group=rebuilt.get_group("tensor"))
         out["rebuilt"] = (rebuilt is not first, t.item())
         out["observed"] = _observed_transfers(rank)
-        from lightning_hybrid.topology import subgroup
+        from lightning_hybrid.process_groups import subgroup
 
         pair = subgroup([0, 1])  # what a later fit asks for again (tied-weight holders): the same group, no new one
         t = torch.ones(1)
@@ -61,7 +61,7 @@ def _worker(rank: int, store: str, results: dict) -> None:
 def _observed_transfers(rank: int) -> list[tuple[str, str, int]]:
     """What a point-to-point observer (the hang watchdog's hook) is told about a batched send/receive, as torch's
     schedules issue them, then a blocking one: each wait once, with its direction and peer."""
-    from lightning_hybrid.monitoring.comm import P2PObserver, observe_p2p_waits
+    from lightning_hybrid.c10d_interception import P2PObserver, observe_p2p_waits
 
     seen: list[tuple[str, str, int]] = []
 

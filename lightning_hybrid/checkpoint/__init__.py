@@ -25,7 +25,8 @@ from lightning_hybrid.checkpoint.io import (
 )
 from lightning_hybrid.checkpoint.optimizer import optimizer_state
 from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained
-from lightning_hybrid.checkpoint.tensors import dcp_ready, full_tensor
+from lightning_hybrid.checkpoint.tensors import dcp_ready
+from lightning_hybrid.dtensor import full_tensor  # where it lives: the training path uses it too
 
 __all__ = [
     "COMMIT_FILENAME",

@@ -34,6 +34,7 @@ from lightning_hybrid.checkpoint.format import (
 )
 from lightning_hybrid.checkpoint.integrity import integrity_problems
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.dtensor import is_fused
 
 __all__ = ["NATURAL_SHAPE_PREFIX", "consolidate", "parse_shard_size"]
 
@@ -55,8 +56,6 @@ _DTYPES = {
 
 def natural_shape_entries(flat: dict[str, Any]) -> dict[str, str]:
     """``{NATURAL_SHAPE_PREFIX + key: "rows,cols"}`` for every tensor DCP will see through a view (saved with it)."""
-    from lightning_hybrid.checkpoint.tensors import is_fused
-
     return {NATURAL_SHAPE_PREFIX + k: ",".join(map(str, v.shape)) for k, v in flat.items() if is_fused(v)}
 
 

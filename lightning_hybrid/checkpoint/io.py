@@ -59,7 +59,7 @@ from lightning_hybrid.checkpoint.optimizer import HYPERPARAMETERS_KEY, optimizer
 from lightning_hybrid.checkpoint.tensors import conflicting_entries, dcp_ready, plan_load
 
 if TYPE_CHECKING:
-    from lightning_hybrid.sharding import ShardedOptimizer
+    from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 
 __all__ = [
     "LAYOUT_KEY",

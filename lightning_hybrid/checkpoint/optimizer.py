@@ -22,27 +22,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_hybrid._torch_compat import WRAPPER_PREFIXES
 from lightning_hybrid.dtensor import like, local_tensor
+from lightning_hybrid.structure import state_dict_name
 
 if TYPE_CHECKING:
-    from lightning_hybrid.sharding import ShardedOptimizer
+    from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 
-__all__ = ["HYPERPARAMETERS_KEY", "optimizer_load_targets", "optimizer_state", "state_dict_name"]
+__all__ = ["HYPERPARAMETERS_KEY", "optimizer_load_targets", "optimizer_state"]
 
 HYPERPARAMETERS_KEY = "param_groups"
-
-
-def state_dict_name(name: str) -> str:
-    """A parameter's name as its state-dict key: without the module wrappers torch inserts into parameter names.
-
-    Example:
-        >>> state_dict_name("h.0._checkpoint_wrapped_module.attn.weight")
-        'h.0.attn.weight'
-    """
-    for part in WRAPPER_PREFIXES:
-        name = name.replace(part, "")
-    return name
 
 
 def _names(module: nn.Module) -> dict[int, str]:

@@ -10,77 +10,17 @@ same view where it fits, and otherwise a full temporary of that one tensor whose
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._torch_compat import compute_local_shape_and_global_offset, is_strided_shard
-from lightning_hybrid.dtensor import like
+from lightning_hybrid._torch_compat import compute_local_shape_and_global_offset
+from lightning_hybrid.dtensor import is_fused, like, unstrided
 
-__all__ = ["LoadPlan", "conflicting_entries", "copy_local_part", "dcp_ready", "full_tensor", "plan_load"]
-
-
-def _fused_index(t: DTensor) -> Optional[int]:
-    """The mesh dimension whose placement splits a fused projection (``_StridedShard`` with no later mesh dimension
-    sharding the same tensor dimension). FSDP2's own ``_StridedShard`` over data, under a tensor-parallel ``Shard`` of
-    the same dimension, is an ordinary contiguous chunk that DCP handles itself."""
-    for i, p in enumerate(t.placements):
-        if is_strided_shard(p) and not any(q.is_shard(p.dim) for q in t.placements[i + 1 :]):
-            return i
-    return None
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= size
-    return tuple(reversed(strides))
-
-
-def _unstrided(t: DTensor) -> DTensor:
-    """A fused projection's DTensor (``_StridedShard(d, k)`` over tensor ranks, which DCP cannot lay out) as the
-    same storage viewed with dimension ``d`` split into ``[k, size/k]`` and a plain ``Shard(d + 1)``: each rank's part
-    is one contiguous slab per block in that view, so DCP saves, loads and reshards it like any sharded tensor."""
-    index = _fused_index(t)
-    assert index is not None
-    d, k = t.placements[index].dim % t.dim(), t.placements[index].split_factor
-    local = t.to_local()
-    placements = []
-    for i, p in enumerate(t.placements):
-        if i == index:
-            placements.append(Shard(d + 1))
-        elif p.is_shard() and p.dim % t.dim() >= d:
-            placements.append(Shard(p.dim % t.dim() + 1))  # a later dimension shifts by the added block dimension
-        else:
-            placements.append(p)
-    shape = (*t.shape[:d], k, t.shape[d] // k, *t.shape[d + 1 :])
-    view = local.view(*local.shape[:d], k, local.shape[d] // k, *local.shape[d + 1 :])
-    return DTensor.from_local(view, t.device_mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape))
-
-
-def is_fused(t: Any) -> bool:
-    """Whether ``t`` is a fused projection's DTensor, which DCP sees through a ``[k, rows/k, ...]`` view."""
-    return isinstance(t, DTensor) and _fused_index(t) is not None
-
-
-def full_tensor(t: Tensor) -> Tensor:
-    """``t`` whole, on every rank: ``DTensor.full_tensor()`` (a collective), also for a fused projection, which is
-    gathered through its block view (a plain ``Shard``): torch 2.11 cannot redistribute a strided shard. A plain
-    tensor is returned as it is.
-
-    Example:
-        >>> full_tensor(torch.ones(2))
-        tensor([1., 1.])
-    """
-    if not isinstance(t, DTensor):
-        return t
-    if is_fused(t):
-        return _unstrided(t).full_tensor().reshape(t.shape)
-    return t.full_tensor()
+__all__ = ["LoadPlan", "conflicting_entries", "copy_local_part", "dcp_ready", "plan_load"]
 
 
 def _at_offset_zero(t: DTensor) -> DTensor:
@@ -113,7 +53,7 @@ def dcp_ready(tree: Any) -> Any:
         torch.Size([2])
     """
     if isinstance(tree, DTensor):
-        return _at_offset_zero(_unstrided(tree) if _fused_index(tree) is not None else tree)
+        return _at_offset_zero(unstrided(tree) if is_fused(tree) else tree)
     if isinstance(tree, dict):
         return {k: dcp_ready(v) for k, v in tree.items()}
     if isinstance(tree, list):

@@ -27,7 +27,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._hooks import attribute_replaced, first_tensor, forward_replaced, tensors_in
+from lightning_hybrid._hooks import attribute_replaced, capture_call, first_tensor, forward_replaced, tensors_in
 from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import to_plain
@@ -41,7 +41,6 @@ from lightning_hybrid.pipeline.step import (
     StepResults,
     StepTimeline,
     TimedStage,
-    capture_call,
 )
 from lightning_hybrid.pipeline.verify import FirstStepChecks, PipelineVerifier
 from lightning_hybrid.pipeline_schedules import MULTI_STAGE, SCHEDULES

@@ -29,10 +29,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid.checkpoint.optimizer import state_dict_name
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.dtensor import local_grad
 from lightning_hybrid.pipeline.stage import NetworkSplit
-from lightning_hybrid.topology import subgroup
+from lightning_hybrid.process_groups import subgroup
+from lightning_hybrid.structure import state_dict_name
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -70,8 +71,6 @@ class SharedParameters:
 
         A holder that computed no gradient adds zeros; a parameter no holder computed a gradient for keeps none,
         as on one device (the optimizer then skips it)."""
-        from lightning_hybrid.sharding import local_grad
-
         for group, entries in self.groups:
             grads = [local_grad(e.param) for e in entries]
             device = entries[0].param.device

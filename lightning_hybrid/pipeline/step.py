@@ -6,7 +6,6 @@ back to the strategy, and the timeline of its compute actions.
 * :class:`StepResults` is the step's loss or outputs and its logged values, the same on every rank; the strategy
   logs them once per step (:meth:`StepResults.log`).
 * :class:`TimedStage` is torch's ``PipelineStage`` timing each forward/backward action into a :class:`StepTimeline`.
-* :func:`capture_call` runs a callable up to a module's first call and returns that call's arguments.
 """
 
 from __future__ import annotations
@@ -14,17 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_hybrid.steps import sync_over
-
-if TYPE_CHECKING:
-    from lightning_hybrid.pipeline.verify import FirstStepChecks
-
-__all__ = ["ActionTimer", "StepContext", "StepResults", "StepTimeline", "TimedStage", "capture_call"]
+__all__ = ["ActionTimer", "StepContext", "StepResults", "StepTimeline", "TimedStage"]
 
 LogRecord = tuple[str, Any, tuple, dict]
 """One ``self.log(name, value, *args, **kwargs)`` call of the user's step."""
@@ -51,8 +45,9 @@ class StepContext:
     """What the user's step logged, per micro-batch (last stage only)."""
     weights: Optional[list[float]] = None
     """Each micro-batch's factor on its loss (default: loss scale / micro-batches; verify_pipeline keeps one)."""
-    checks: Optional[FirstStepChecks] = None
-    """The structural checks, on the first training step only."""
+    checks: Any = None
+    """The structural checks, on the first training step only: the runner's ``pipeline.verify.FirstStepChecks``
+    (not named in the type: the checks read the cut, whose stage modules read this context)."""
     active: Optional[tuple[int, Optional[Tensor]]] = None
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     """What the step added to each torchmetrics object it updated (last stage only; ``MetricMirror.end``)."""
@@ -75,12 +70,11 @@ class StepResults:
     output: Any
     logged: list[LogRecord] = field(default_factory=list)
 
-    def log(self, log: Callable[..., None], sync_group: Any = None) -> Any:
-        """Call ``log`` (``LightningModule.log``) once per logged name; a ``sync_dist=True`` record without its own
-        group reduces over ``sync_group`` (pipeline and tensor peers hold the same value: only the data-parallel
-        replicas differ). Returns ``output``."""
+    def log(self, log: Callable[..., None]) -> Any:
+        """Call ``log`` (``LightningModule.log``; the strategy's step makes its ``sync_dist`` reduce over the
+        data-parallel group, see :func:`lightning_hybrid.steps.run_step`) once per logged name. Returns ``output``."""
         for name, value, args, kwargs in self.logged:
-            log(name, value, *args, **sync_over(kwargs, sync_group))
+            log(name, value, *args, **kwargs)
         return self.output
 
 
@@ -151,35 +145,3 @@ class TimedStage(PipelineStage):
             return action(chunk, *args, **kwargs)
         finally:
             self.timer.record(kind, self.stage_index, chunk, begin)
-
-
-class _Reached(BaseException):
-    """Raised at the network's call to end the user's step there (:func:`capture_call`). A ``BaseException``, as
-    ``GeneratorExit`` is: a step that wraps its network call in ``try/except Exception`` would otherwise catch it."""
-
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        self.call = (args, kwargs)
-
-
-def capture_call(module: nn.Module, run: Callable[[], Any]) -> Optional[tuple[tuple, dict]]:
-    """``run()`` up to ``module``'s first call: that call's (args, kwargs) as ``module`` receives them, before its
-    other forward pre-hooks; None if ``run`` returned without calling ``module``. Nothing after the call runs, so
-    capturing the network's inputs from the user's step costs the step's code before the network only.
-
-    Example:
-        >>> net = nn.Linear(2, 2)
-        >>> capture_call(net, lambda: net(1.0) + 1)
-        ((1.0,), {})
-    """
-
-    def reached(_: nn.Module, args: tuple, kwargs: dict) -> None:
-        raise _Reached(args, kwargs)
-
-    handle = module.register_forward_pre_hook(reached, with_kwargs=True, prepend=True)
-    try:
-        run()
-    except _Reached as stop:
-        return stop.call
-    finally:
-        handle.remove()
-    return None

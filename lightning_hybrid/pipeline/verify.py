@@ -29,14 +29,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hybrid._hooks import tensors_in
-from lightning_hybrid._lightning_compat import module_device_mesh, module_trainer
 from lightning_hybrid.agreement import raise_together
 from lightning_hybrid.config import AUTO_MAX_PARAMETERS, HybridConfigError, check_verify_pipeline
+from lightning_hybrid.dtensor import full_tensor
+from lightning_hybrid.pipeline.stage import InputStub, NetworkSplit
+from lightning_hybrid.structure import state_dict_name
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from lightning_hybrid.pipeline.stage import NetworkSplit
 
 __all__ = [
     "AUTO_MAX_PARAMETERS",
@@ -94,8 +94,6 @@ class FirstStepChecks:
     """Parameters a gradient reached in backward: gradient buckets and fp32 masters take ``p.grad`` away at once."""
 
     def __post_init__(self) -> None:
-        from lightning_hybrid.pipeline.stage import InputStub
-
         names = self._module_names()
         for stage in self.split.local_stages():
             if stage != 0:
@@ -263,9 +261,6 @@ class PipelineVerifier:
         and buffers are gathered whole over tensor parallel and ZeRO, then sent to the reference rank."""
         if not self._changed_since_setup(network):
             return  # the common case: gathering every weight to the reference rank would be wasted
-        from lightning_hybrid.checkpoint import full_tensor
-        from lightning_hybrid.checkpoint.optimizer import state_dict_name
-
         mine = {
             state_dict_name(name): full_tensor(t.detach()).cpu()
             for name, t in [*network.named_parameters(), *network.named_buffers()]
@@ -317,8 +312,6 @@ class PipelineVerifier:
     def gradient_norm(self, module: nn.Module) -> float:
         """The norm of the gradient the pipeline produced (collective: every rank, same parameter order)."""
         from torch.distributed.tensor import DTensor
-
-        from lightning_hybrid.checkpoint import full_tensor
 
         self.sync()
         skip = {id(p) for p in self.duplicates()}
@@ -436,9 +429,11 @@ def make_verifier(
     precision: str,
     last_stage_rank: int,
     option: str = "verify_pipeline",
+    shared: tuple[Any, ...] = (),
 ) -> Optional[PipelineVerifier]:
     """The verifier for ``verify_pipeline=setting``, or None when it is off. Call before the network is cut (the
-    reference rank copies it then); ``last_stage_rank`` is the pipeline rank that holds the last stage.
+    reference rank copies it then); ``last_stage_rank`` is the pipeline rank that holds the last stage; ``shared``:
+    objects the copy shares rather than copies (what the LightningModule is attached to: its trainer and mesh).
 
     ``"auto"`` is on for fp32 training of a model of at most :data:`AUTO_MAX_PARAMETERS` parameters whose
     ``configure_model`` did not already split it (a split copy could not run unsplit on one rank); ``True`` refuses
@@ -459,8 +454,8 @@ def make_verifier(
     coordinates = {name: mesh[name].get_local_rank() for name in ("pipeline", "data", "tensor")}
     is_reference = coordinates == {"pipeline": last_stage_rank, "data": 0, "tensor": 0}
     reference_rank = int(mesh.mesh[last_stage_rank, 0, 0])
-    # the LightningModule may be the network: its trainer and mesh are shared, not copied
-    memo = {id(v): v for v in (module_trainer(module), module_device_mesh(module)) if v}
+    # the LightningModule may be the network: what it is attached to (its trainer and mesh) is shared, not copied
+    memo = {id(v): v for v in shared if v}
     return PipelineVerifier(
         reference=copy.deepcopy(network, memo) if is_reference else None,
         data_group=mesh["data"].get_group(),

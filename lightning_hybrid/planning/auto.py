@@ -125,7 +125,7 @@ def resolve_layout(
     """
     request = options.request
     if options.auto_layout:  # the planner's best feasible layout for this world size and device memory
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info  # the planner itself needs no Lightning
+        from lightning_utilities.core.rank_zero import rank_zero_info  # the planner itself needs no Lightning
 
         request, message = auto_request(
             request,

@@ -250,7 +250,7 @@ def _rank_bytes(params, groups, local_shape, tr, dr, zero, d, p, low, styles, na
             if strided and len(shape) < 2:  # fused tensor-parallel biases: left out of FSDP2, replicated
                 n = _numel(shape)
             else:
-                dim = 1 if strided else 0  # fused weights: FSDP2 shards them on dim 1 (sharding/zero.py)
+                dim = 1 if strided else 0  # fused weights: FSDP2 shards them on dim 1 (sharding/fsdp.py)
                 shape[dim] = _chunk(shape[dim], d, dr)
                 n = _numel(shape)
             total_p += 4 * n
@@ -261,7 +261,7 @@ def _rank_bytes(params, groups, local_shape, tr, dr, zero, d, p, low, styles, na
                 "total": total_p + total_g + total_s}  # fmt: skip
     param_bytes = 2 if low else 4
     parameters = sum(param_bytes * _numel(local_shape(q, tr)) for q in params)
-    uses_masters = (zero >= 1 and d > 1) or low  # one replica steps as stage 0 (sharding/zero.py)
+    uses_masters = (zero >= 1 and d > 1) or low  # one replica steps as stage 0 (sharding/sharded_optimizer.py)
     gradients = state = 0
     buckets = zero == 0 and not uses_masters and d > 1 and p == 1 and overlap
     for group in groups:

@@ -11,7 +11,7 @@ from lightning_hybrid.planning.hardware import GB, Hardware
 from lightning_hybrid.planning.ledger import PRECISION_BYTES, Ledger, state_bytes_per_parameter
 from lightning_hybrid.planning.model import ModelSpec
 from lightning_hybrid.planning.steptime import StepTime, estimate_step_time
-from lightning_hybrid.sharding.zero import ShardedGradientBuckets
+from lightning_hybrid.sharding.sharded_buckets import ShardedGradientBuckets
 
 __all__ = ["Candidate", "Evaluated", "Setup", "decision_rule", "evaluate", "rank", "search"]
 

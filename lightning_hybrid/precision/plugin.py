@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional, Protocol
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -31,12 +31,19 @@ from lightning_hybrid._lightning_compat import convert_fp_tensor, module_trainer
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.precision.loss_scaler import DynamicLossScaler
 
-if TYPE_CHECKING:
-    from lightning_hybrid.sharding.step import GradientStep
-
 __all__ = ["HybridPrecision", "PRECISIONS", "check_supported"]
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+class GlobalNormClipping(Protocol):
+    """What clipping by norm needs from the strategy's gradient step (``sharding/step.py``'s ``GradientStep``): the
+    plugin sits below the step in the package's layers, so it names only this."""
+
+    def clip_(self, max_norm: float) -> float:
+        """Clip every gradient by the norm over all shards; return that norm (before clipping). Collective."""
+        ...
+
 
 _LOW = {"bf16": torch.bfloat16, "16": torch.float16}
 
@@ -104,7 +111,7 @@ class HybridPrecision(Precision):
                 on_min_scale=on_min_scale,
                 max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             )
-        self._gradient_step: Optional[GradientStep] = None
+        self._gradient_step: Optional[GlobalNormClipping] = None
         self.found_inf = False
         """Whether the current/last optimizer step saw an overflow on some rank (and was skipped)."""
         self.last_gradient_norm: Optional[float] = None
@@ -136,7 +143,7 @@ class HybridPrecision(Precision):
             return cls(plugin.precision)
         return plugin
 
-    def use_gradient_step(self, gradient_step: GradientStep) -> None:
+    def use_gradient_step(self, gradient_step: GlobalNormClipping) -> None:
         """Clip by norm through the strategy's gradient step (the global norm over every shard); the strategy calls
         this once its optimizers are set up."""
         self._gradient_step = gradient_step

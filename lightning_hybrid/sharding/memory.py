@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hybrid.dtensor import local_bytes
-from lightning_hybrid.sharding.zero import ShardedOptimizer
+from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["expected_model_state_bytes", "measure_model_state_bytes"]
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid.sharding.zero import ShardedOptimizer, local_grad
+from lightning_hybrid.dtensor import local_grad
+from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hybrid._lightning_compat import unwrap_optimizer
 from lightning_hybrid._torch_compat import (
     dtensor_local_data,
     extension_build_directory,
@@ -44,7 +43,7 @@ from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import like
 
 if TYPE_CHECKING:
-    from lightning_hybrid.sharding.zero import ShardedOptimizer
+    from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["OptimizerOffload", "attach_offload", "check_offloadable", "cpu_adam_class", "offload_ledger"]
 
@@ -67,7 +66,7 @@ def cpu_adam_class() -> type:
         ) from None
     builder = CPUAdamBuilder()
     if not _op_is_built(builder):
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+        from lightning_utilities.core.rank_zero import rank_zero_info
 
         rank_zero_info(
             "lightning-hybrid: compiling DeepSpeed's CPU Adam op for `offload_optimizer=True` (first use only, about a"
@@ -338,10 +337,9 @@ def offload_ledger(measured: dict[str, int], offloads: list[OptimizerOffload]) -
 
 
 def attach_offload(optimizers: list[Optimizer], sharded: list[Optional[ShardedOptimizer]]) -> list[OptimizerOffload]:
-    """Offload every optimizer (the strategy's ``setup_optimizers``); ``sharded[i]`` is optimizer ``i``'s ZeRO
-    wrapper, or None at ZeRO-3. Raises :class:`HybridConfigError` alike on every rank for an optimizer it cannot
-    replace, before loading DeepSpeed."""
-    raws = [unwrap_optimizer(o) for o in optimizers]
-    for raw in raws:
-        check_offloadable(raw)
-    return [OptimizerOffload(raw, z) for raw, z in zip(raws, sharded)]
+    """Offload every optimizer (the user's, not Lightning's wrappers; the strategy's ``setup_optimizers``);
+    ``sharded[i]`` is optimizer ``i``'s ZeRO wrapper, or None at ZeRO-3. Raises :class:`HybridConfigError` alike on
+    every rank for an optimizer it cannot replace, before loading DeepSpeed."""
+    for optimizer in optimizers:
+        check_offloadable(optimizer)
+    return [OptimizerOffload(optimizer, z) for optimizer, z in zip(optimizers, sharded)]

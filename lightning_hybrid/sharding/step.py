@@ -15,9 +15,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._lightning_compat import unwrap_optimizer
+from lightning_hybrid.dtensor import full_tensor
+from lightning_hybrid.sharding.gradient_sync import GradientSync
 from lightning_hybrid.sharding.memory import measure_model_state_bytes
 from lightning_hybrid.sharding.norm import GradientNorm
-from lightning_hybrid.sharding.zero import GradientSync, ShardedOptimizer
+from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -89,7 +91,9 @@ class GradientStep:
         if offload:
             from lightning_hybrid.sharding.offload import attach_offload
 
-            self.offloads = attach_offload(optimizers, [self.sharded_for(o) for o in optimizers])
+            self.offloads = attach_offload(
+                [unwrap_optimizer(o) for o in optimizers], [self.sharded_for(o) for o in optimizers]
+            )
         self.last_norm: Optional[float] = None
         """The global gradient norm before clipping at the last optimizer step (None if not taken or overflowed)."""
         self._step_norm: Optional[float] = None
@@ -251,8 +255,6 @@ class GradientStep:
     def full_gradients(self) -> dict[str, Tensor]:
         """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
         on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
-        from lightning_hybrid.checkpoint import full_tensor
-
         grads: dict[int, Optional[Tensor]] = {}
         for z in self.sharded:
             grads.update({id(p): g for p, g in zip(z.model_parameters, z.gathered_gradients())})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Optional, Union
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel

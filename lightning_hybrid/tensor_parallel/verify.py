@@ -21,9 +21,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._hooks import attribute_replaced, tensors_in
+from lightning_hybrid._hooks import attribute_replaced, capture_call, tensors_in
 from lightning_hybrid.dtensor import to_plain
-from lightning_hybrid.pipeline.step import capture_call
 from lightning_hybrid.pipeline.verify import PipelineVerifier
 
 __all__ = ["verify_first_step"]

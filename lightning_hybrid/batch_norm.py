@@ -1,4 +1,6 @@
-"""``Trainer(sync_batchnorm=True)`` under data parallel: BatchNorm statistics over the data-parallel group only."""
+"""``Trainer(sync_batchnorm=True)`` under data parallel: BatchNorm statistics over the data-parallel group only.
+
+A Lightning adapter (it reads Lightning's ``LayerSync`` plugin), called by ``parallelize``."""
 
 from __future__ import annotations
 
