@@ -76,17 +76,14 @@ def _module_step(name: str) -> Callable[..., Any]:
 class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
-    Each option is given flat (``pipeline_schedule="gpipe"``, as LightningCLI/YAML give them) or in its typed
-    section (``pipeline=PipelineOptions(schedule="gpipe")``): ``tensor_parallel=TensorParallelOptions(...)``,
-    ``pipeline=PipelineOptions(...)``, ``zero=ZeroOptions(...)`` and ``checkpoint=CheckpointOptions(...)``
-    (``lightning_hybrid.config``, which documents each field in full). A section's field of one word takes the
-    section's name in front in the flat form (``plan`` <-> ``tensor_parallel_plan``, ``verify`` <->
-    ``checkpoint_verify``); a field of several words is the flat name itself (``num_microbatches``,
-    ``verify_pipeline``). The sizes and ``sequence_parallel`` are given flat. The constructor builds the sections from
-    the flat arguments and the sections given, and checks them once
+    Each option is given flat (``pipeline_schedule="gpipe"``, as LightningCLI/YAML give them) or in its typed section
+    (``pipeline=PipelineOptions(schedule="gpipe")``; the four sections are the last arguments below, documented field
+    by field in ``lightning_hybrid.config``). A field of one word takes its section's name in front in the flat form
+    (``plan`` <-> ``tensor_parallel_plan``); a longer one is the flat name itself (``num_microbatches``). The sizes and
+    ``sequence_parallel`` are flat only. The constructor builds each section from both forms and checks it once
     (:meth:`~lightning_hybrid.config.StrategyOptions.from_arguments`), raising
-    :class:`~lightning_hybrid.HybridConfigError` alike on every rank; also for an option given both ways with
-    different values (a flat argument at its default counts as not given).
+    :class:`~lightning_hybrid.HybridConfigError` alike on every rank, also for an option given both ways with different
+    values (a flat argument at its default counts as not given).
 
     Arguments:
         tensor_parallel_size: ranks that split each layer (DTensor). Consecutive ranks, so keep it within a node.
