@@ -3,13 +3,21 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hybrid._version import __version__ as __version__
-from lightning_hybrid.config import HybridConfigError, ParallelLayout
+from lightning_hybrid.config import (
+    CheckpointOptions,
+    HybridConfigError,
+    ParallelLayout,
+    PipelineOptions,
+    TensorParallelOptions,
+    ZeroOptions,
+)
 from lightning_hybrid.monitoring import CommunicationMeter, HealthChecks, HybridMonitor
 from lightning_hybrid.planning import plan
 from lightning_hybrid.precision import HybridPrecision
 from lightning_hybrid.strategy import HybridStrategy
 
 __all__ = [
+    "CheckpointOptions",
     "CommunicationMeter",
     "HealthChecks",
     "HybridConfigError",
@@ -17,6 +25,9 @@ __all__ = [
     "HybridPrecision",
     "HybridStrategy",
     "ParallelLayout",
+    "PipelineOptions",
+    "TensorParallelOptions",
+    "ZeroOptions",
     "plan",
 ]
 

@@ -2,11 +2,19 @@
 
 Everything here is pure Python on purpose: every rank evaluates the same checks on the same numbers and raises the
 same error before any process group or collective exists, so a bad configuration can never hang a job.
+
+``HybridStrategy`` takes each option in one of two forms: flat (``pipeline_schedule="gpipe"``, as LightningCLI/YAML
+give them) or in its typed section (``pipeline=PipelineOptions(schedule="gpipe")``, see :data:`SECTIONS`). One name
+per option, by one rule (:func:`flat_argument`): a field of one word takes its section's name in front in the flat form
+(``plan`` <-> ``tensor_parallel_plan``, ``verify`` <-> ``checkpoint_verify``), since alone it would not say what it
+belongs to; a field of several words is already specific and is the flat name as it is (``num_microbatches``,
+``bucket_cap_mb``, ``verify_pipeline``). The sizes (``tensor_parallel_size``, ``pipeline_parallel_size``,
+``data_parallel_size``, ``zero_stage``) and ``sequence_parallel`` are the layout's own fields and are given flat.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Optional, Union
 
 from lightning_hybrid.pipeline_schedules import PIPELINE_SCHEDULES
@@ -14,6 +22,7 @@ from lightning_hybrid.pipeline_schedules import PIPELINE_SCHEDULES
 __all__ = [
     "PIPELINE_PARTITIONS",
     "PIPELINE_SCHEDULES",
+    "SECTIONS",
     "CheckpointOptions",
     "HybridConfigError",
     "LayoutRequest",
@@ -27,6 +36,7 @@ __all__ = [
     "check_partition",
     "check_pretrained_weights",
     "check_sizes",
+    "flat_argument",
 ]
 
 
@@ -119,7 +129,8 @@ def check_verify_pipeline(value: Any, name: str = "verify_pipeline") -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class TensorParallelOptions:
-    """How layers are split over the tensor-parallel ranks (``HybridStrategy``'s tensor-parallel arguments).
+    """How layers are split over the tensor-parallel ranks (``HybridStrategy``'s ``tensor_parallel=`` section; the
+    size is the layout's ``tensor_parallel_size``).
 
     Example:
         >>> TensorParallelOptions(plan={"*.mlp.up": "colwise", "*.mlp.down": "rowwise"}).vocab_parallel_loss
@@ -131,13 +142,13 @@ class TensorParallelOptions:
     (``tensor_parallel_plan``)."""
     vocab_parallel_loss: bool = True
     """Keep the logits sharded over the vocabulary so cross-entropy never gathers them."""
-    verify: Union[bool, str] = "auto"
-    """``verify_tensor_parallel`` (without pipeline parallel; ``verify_pipeline`` covers both together): on the first
-    batch, compare the split model's loss and gradient norm with an unsplit copy on one rank, and refuse the run on
-    a mismatch. ``"auto"``: on for fp32 models of at most 100M parameters."""
+    verify_tensor_parallel: Union[bool, Literal["auto"]] = "auto"
+    """Without pipeline parallel (``verify_pipeline`` covers both together): on the first batch, compare the split
+    model's loss and gradient norm with an unsplit copy on one rank, and refuse the run on a mismatch. ``"auto"``: on
+    for fp32 models of at most 100M parameters."""
 
     def __post_init__(self) -> None:
-        check_verify_pipeline(self.verify, "verify_tensor_parallel")
+        check_verify_pipeline(self.verify_tensor_parallel, "verify_tensor_parallel")
         if not (self.plan == "auto" or isinstance(self.plan, dict)):
             raise HybridConfigError(
                 f"`tensor_parallel_plan` must be 'auto' or a dict {{module-name pattern: style}}, got {self.plan!r}."
@@ -146,10 +157,11 @@ class TensorParallelOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineOptions:
-    """How the block list is cut into stages and scheduled (``HybridStrategy``'s pipeline arguments).
+    """How the block list is cut into stages and scheduled (``HybridStrategy``'s ``pipeline=`` section; the size is
+    the layout's ``pipeline_parallel_size``).
 
     Example:
-        >>> PipelineOptions(schedule="interleaved_1f1b", virtual_size=2, num_microbatches=8).partition
+        >>> PipelineOptions(schedule="interleaved_1f1b", virtual_pipeline_size=2, num_microbatches=8).partition
         'uniform'
     """
 
@@ -157,21 +169,20 @@ class PipelineOptions:
     """Micro-batches per optimizer step (``None``: the pipeline size, filled in by :meth:`LayoutRequest.resolve`)."""
     schedule: str = "1f1b"
     """One of :data:`PIPELINE_SCHEDULES` (``pipeline_schedule``)."""
-    virtual_size: int = 1
-    """Stages per rank for the interleaved and zero-bubble schedules (``virtual_pipeline_size``)."""
+    virtual_pipeline_size: int = 1
+    """Stages per rank for the interleaved and zero-bubble schedules."""
     partition: Union[str, list[int]] = "uniform"
     """One of :data:`PIPELINE_PARTITIONS` or block counts per stage (``pipeline_partition``)."""
     network: Optional[str] = None
     """The module ``training_step`` calls, if not the block list's owner (``pipeline_network``)."""
-    verify: Union[bool, str] = "auto"
-    """``verify_pipeline``: on the first batch, compare the pipelined loss and gradient norm of one micro-batch with
-    an unsplit forward of a copy of the network on one rank, and refuse the run on a mismatch. ``"auto"``: on for fp32
-    models of at most 100M parameters; ``True``: always; ``False``: off (the structural checks of the first step still
-    run)."""
+    verify_pipeline: Union[bool, Literal["auto"]] = "auto"
+    """On the first batch, compare the pipelined loss and gradient norm of one micro-batch with an unsplit forward of
+    a copy of the network on one rank, and refuse the run on a mismatch. ``"auto"``: on for fp32 models of at most
+    100M parameters; ``True``: always; ``False``: off (the structural checks of the first step still run)."""
 
     def __post_init__(self) -> None:
         check_partition(self.partition)
-        schedule, v = self.schedule, self.virtual_size
+        schedule, v = self.schedule, self.virtual_pipeline_size
         if schedule not in PIPELINE_SCHEDULES:
             raise HybridConfigError(f"`pipeline_schedule={schedule!r}` is not one of {list(PIPELINE_SCHEDULES)}.")
         _check_positive_int("virtual_pipeline_size", v)
@@ -192,7 +203,7 @@ class PipelineOptions:
             )
         if self.num_microbatches is not None:
             _check_positive_int("num_microbatches", self.num_microbatches)
-        check_verify_pipeline(self.verify)
+        check_verify_pipeline(self.verify_pipeline)
 
     def check_stages(self, pipeline_parallel_size: int) -> None:
         """The micro-batch count against the number of pipeline ranks."""
@@ -207,17 +218,18 @@ class PipelineOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroOptions:
-    """How gradients and optimizer state are reduced and sharded over the data-parallel ranks.
+    """How gradients and optimizer state are reduced and sharded over the data-parallel ranks (``HybridStrategy``'s
+    ``zero=`` section; the stage is the layout's ``zero_stage``).
 
     Example:
         >>> ZeroOptions(bucket_cap_mb=50).bucket_cap_mb
         50.0
     """
 
-    gradient_sync: str = "per_step"
-    """``zero3_gradient_sync``, ZeRO-3 under pipeline parallel: ``"per_step"`` keeps each stage's gradients unsharded
-    across micro-batches and reduce-scatters once per step (more memory, less communication); ``"per_microbatch"``
-    reduce-scatters and frees them after every micro-batch's backward."""
+    zero3_gradient_sync: Literal["per_step", "per_microbatch"] = "per_step"
+    """ZeRO-3 under pipeline parallel: ``"per_step"`` keeps each stage's gradients unsharded across micro-batches and
+    reduce-scatters once per step (more memory, less communication); ``"per_microbatch"`` reduce-scatters and frees
+    them after every micro-batch's backward."""
     overlap_grad_reduce: bool = True
     """At ``zero_stage=0`` without pipeline parallel (and without a ``-true`` precision's master weights), average the
     gradients over the data-parallel replicas in buckets during the step's last backward pass, overlapping
@@ -232,9 +244,9 @@ class ZeroOptions:
     optimizer). The device keeps parameters and gradients only."""
 
     def __post_init__(self) -> None:
-        if self.gradient_sync not in ("per_step", "per_microbatch"):
+        if self.zero3_gradient_sync not in ("per_step", "per_microbatch"):
             raise HybridConfigError(
-                f"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch', got {self.gradient_sync!r}."
+                f"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch', got {self.zero3_gradient_sync!r}."
             )
         size = self.bucket_cap_mb
         if not (isinstance(size, (int, float)) and size > 0):
@@ -278,33 +290,80 @@ def check_pretrained_weights(source: Any) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointOptions:
-    """How checkpoints are written and checked, and the weights training starts from (``async_checkpoint``,
-    ``checkpoint_verify``, ``pretrained_weights``).
+    """How checkpoints are written and checked, and the weights training starts from (``HybridStrategy``'s
+    ``checkpoint=`` section).
 
     Example:
-        >>> CheckpointOptions(asynchronous=True).verify
+        >>> CheckpointOptions(async_checkpoint=True).verify
         True
     """
 
-    asynchronous: bool = False
-    """``async_checkpoint``: write checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save
-    copies this rank's shards to CPU memory and training goes on while they are written; the next save and the end of
-    training wait for it. The checkpoint appears under its name only once complete, as with synchronous saves."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save copies this rank's
+    shards to CPU memory and training goes on while they are written; the next save and the end of training wait for
+    it. The checkpoint appears under its name only once complete, as with synchronous saves."""
     verify: bool = True
     """``checkpoint_verify``: on load, check every file of the checkpoint against the size and SHA-256 its commit
     record holds (each rank hashes its share of the files: about 1-2 s of one core per GB), and let
     ``ckpt_path="last"`` skip a checkpoint that fails for the newest one in its directory that passes. ``False`` loads
     without hashing (sizes are still checked), also checkpoints without a commit record. Saves always write the
     record."""
-    pretrained: Optional[str] = None
-    """``pretrained_weights``: start training from these weights (a Hugging Face folder with ``model.safetensors``
-    or ``model.safetensors.index.json``, ``lightning-hybrid consolidate`` output, or a ``.safetensors`` file): loaded
-    after the model is split, each rank reading only its own slices (``checkpoint/pretrained.py``). A resume with
+    pretrained_weights: Optional[str] = None
+    """Start training from these weights (a Hugging Face folder with ``model.safetensors`` or
+    ``model.safetensors.index.json``, ``lightning-hybrid consolidate`` output, or a ``.safetensors`` file): loaded after
+    the model is split, each rank reading only its own slices (``checkpoint/pretrained.py``). A resume with
     ``trainer.fit(ckpt_path=...)`` overwrites them (docs/checkpoint.md)."""
 
     def __post_init__(self) -> None:
-        if self.pretrained is not None:
-            object.__setattr__(self, "pretrained", check_pretrained_weights(self.pretrained))
+        if self.pretrained_weights is not None:
+            object.__setattr__(self, "pretrained_weights", check_pretrained_weights(self.pretrained_weights))
+
+
+SECTIONS: dict[str, type] = {
+    "tensor_parallel": TensorParallelOptions,
+    "pipeline": PipelineOptions,
+    "zero": ZeroOptions,
+    "checkpoint": CheckpointOptions,
+}
+"""``HybridStrategy``'s typed sections, by the keyword that takes each."""
+
+
+def flat_argument(section: str, name: str) -> str:
+    """The flat ``HybridStrategy`` argument of the field ``name`` of ``section`` (a key of :data:`SECTIONS`): a field
+    of one word takes the section's name in front, one of several words is the flat name as it is.
+
+    Example:
+        >>> flat_argument("pipeline", "schedule"), flat_argument("pipeline", "num_microbatches")
+        ('pipeline_schedule', 'num_microbatches')
+    """
+    return name if "_" in name else f"{section}_{name}"
+
+
+def _build_section(section: str, flat: dict[str, Any], given: Any) -> Any:
+    """The section ``section`` (a key of :data:`SECTIONS`) from the flat arguments (``flat``, by name) and the section
+    object ``given`` (or None), validated once, by the section's own checks. An option counts as given where its value
+    differs from its default: given in the section, the section's value is used; given both ways with different
+    values, it is a :class:`HybridConfigError` naming both."""
+    options = SECTIONS[section]
+    if given is not None and not isinstance(given, options):
+        raise HybridConfigError(
+            f"`{section}` must be a lightning_hybrid.{options.__name__}(...) or None, got {type(given).__name__}"
+            f" {given!r}. Give its options as `{section}={options.__name__}(...)` or as flat arguments."
+        )
+    values = {}
+    for option in fields(options):
+        name = flat_argument(section, option.name)
+        value = flat[name]
+        if given is not None and getattr(given, option.name) != option.default:
+            in_section = getattr(given, option.name)
+            if value != option.default and value != in_section:
+                raise HybridConfigError(
+                    f"`{name}={value!r}` and `{section}={options.__name__}({option.name}={in_section!r})` give the same"
+                    f" option two different values. Give it once: as the flat argument `{name}` or in the section."
+                )
+            value = in_section
+        values[option.name] = value
+    return options(**values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -418,7 +477,7 @@ class ParallelLayout:
         return {
             "num_microbatches": p.num_microbatches,
             "pipeline_schedule": p.schedule,
-            "virtual_pipeline_size": p.virtual_size,
+            "virtual_pipeline_size": p.virtual_pipeline_size,
             "pipeline_partition": p.partition,
         }
 
@@ -542,41 +601,39 @@ class StrategyOptions:
         monitor: Any = True,
         layout: Optional[str] = None,
         device_memory: Optional[float] = None,
+        tensor_parallel: Optional[TensorParallelOptions] = None,
+        pipeline: Optional[PipelineOptions] = None,
+        zero: Optional[ZeroOptions] = None,
+        checkpoint: Optional[CheckpointOptions] = None,
     ) -> StrategyOptions:
-        """Check ``HybridStrategy``'s flat arguments (documented there, same names and defaults) into their typed
-        sections. Everything that needs no world size is checked here: every rank runs the constructor, so all raise
-        the same :class:`HybridConfigError` alike, before any collective exists."""
+        """Check ``HybridStrategy``'s arguments (documented there, same names and defaults) into their typed
+        sections: each section is built from its flat arguments and the section object given, if any
+        (:func:`flat_argument` names them), and validated once. Everything that needs no world size is checked here:
+        every rank runs the constructor, so all raise the same :class:`HybridConfigError` alike, before any collective
+        exists.
+
+        Example:
+            >>> options = StrategyOptions.from_arguments(bucket_cap_mb=50, zero=ZeroOptions(offload_optimizer=True))
+            >>> options.request.zero.bucket_cap_mb, options.request.zero.offload_optimizer
+            (50.0, True)
+        """
+        arguments = locals()
+        sections = {name: _build_section(name, arguments, arguments[name]) for name in SECTIONS}
         request = LayoutRequest(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
-            tensor_parallel=TensorParallelOptions(
-                plan=tensor_parallel_plan, vocab_parallel_loss=vocab_parallel_loss, verify=verify_tensor_parallel
-            ),
-            pipeline=PipelineOptions(
-                num_microbatches=num_microbatches,
-                schedule=pipeline_schedule,
-                virtual_size=virtual_pipeline_size,
-                partition=pipeline_partition,
-                network=pipeline_network,
-                verify=verify_pipeline,
-            ),
-            zero=ZeroOptions(
-                gradient_sync=zero3_gradient_sync,
-                overlap_grad_reduce=overlap_grad_reduce,
-                bucket_cap_mb=bucket_cap_mb,
-                offload_optimizer=offload_optimizer,
-            ),
+            tensor_parallel=sections["tensor_parallel"],
+            pipeline=sections["pipeline"],
+            zero=sections["zero"],
         )
-        check_auto_layout(layout, vars(request), num_microbatches)
+        check_auto_layout(layout, vars(request), request.pipeline.num_microbatches)
         check_compile(compile, request)
         return cls(
             request=request,
-            checkpoint=CheckpointOptions(
-                asynchronous=async_checkpoint, verify=checkpoint_verify, pretrained=pretrained_weights
-            ),
+            checkpoint=sections["checkpoint"],
             activation_checkpointing=activation_checkpointing,
             transformer_blocks=transformer_blocks,
             compile=compile,

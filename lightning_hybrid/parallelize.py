@@ -170,7 +170,7 @@ def parallelize(
     if cut is None and plan is not None:  # verify_tensor_parallel: the unsplit copy is taken before the split
         network = module.get_submodule(structure.network_name) if structure.network_name else module
         tp_verifier = make_verifier(
-            tp_options.verify, module, network, mesh, precision=precision.precision, last_stage_rank=0,
+            tp_options.verify_tensor_parallel, module, network, mesh, precision=precision.precision, last_stage_rank=0,
             option="verify_tensor_parallel", shared=_attached_to(module),
         )  # fmt: skip
     # 3. tensor parallel: applied to what this rank holds
@@ -338,7 +338,7 @@ def _cut_pipeline(
         stage_plan = partition_blocks(
             len(module.get_submodule(structure.blocks_name)),
             layout.pipeline_parallel_size,
-            options.virtual_size,
+            options.virtual_pipeline_size,
             partition,
             block_costs=costs,
             first_cost=first_cost,
@@ -347,7 +347,7 @@ def _cut_pipeline(
         )
         pipeline_rank = mesh["pipeline"].get_local_rank()
         verifier = make_verifier(
-            options.verify,
+            options.verify_pipeline,
             module,
             network,
             mesh,
@@ -382,7 +382,7 @@ def _build_runner(
         from torch.distributed.fsdp import fully_shard
 
         kwargs = _fsdp_kwargs(layout, precision)
-        if layout.zero.gradient_sync == "per_step":
+        if layout.zero.zero3_gradient_sync == "per_step":
             # the stage module is the FSDP2 root: torch's PipelineStage then accumulates unsharded gradients
             # over micro-batches and reduce-scatters once per step
             fully_shard(stage, mesh=mesh["data"], **kwargs)

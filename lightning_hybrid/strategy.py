@@ -30,7 +30,14 @@ from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
 from lightning_hybrid.checkpoint.strategy_io import CheckpointHooks
-from lightning_hybrid.config import ParallelLayout, StrategyOptions
+from lightning_hybrid.config import (
+    CheckpointOptions,
+    ParallelLayout,
+    PipelineOptions,
+    StrategyOptions,
+    TensorParallelOptions,
+    ZeroOptions,
+)
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import skip_finished_batches
 from lightning_hybrid.monitoring.callback import HybridMonitor
@@ -69,10 +76,14 @@ def _module_step(name: str) -> Callable[..., Any]:
 class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
-    The arguments are flat (as LightningCLI/YAML give them); the constructor checks them into typed sections
-    (:meth:`~lightning_hybrid.config.StrategyOptions.from_arguments`: ``TensorParallelOptions``, ``PipelineOptions``,
-    ``ZeroOptions``, ``CheckpointOptions`` in ``lightning_hybrid.config``, which document each in full), raising
-    :class:`~lightning_hybrid.HybridConfigError` alike on every rank.
+    Each option is given flat (``pipeline_schedule="gpipe"``, as LightningCLI/YAML give them) or in its typed section
+    (``pipeline=PipelineOptions(schedule="gpipe")``; the four sections are the last arguments below, documented field
+    by field in ``lightning_hybrid.config``). A field of one word takes its section's name in front in the flat form
+    (``plan`` <-> ``tensor_parallel_plan``); a longer one is the flat name itself (``num_microbatches``). The sizes and
+    ``sequence_parallel`` are flat only. The constructor builds each section from both forms and checks it once
+    (:meth:`~lightning_hybrid.config.StrategyOptions.from_arguments`), raising
+    :class:`~lightning_hybrid.HybridConfigError` alike on every rank, also for an option given both ways with different
+    values (a flat argument at its default counts as not given).
 
     Arguments:
         tensor_parallel_size: ranks that split each layer (DTensor). Consecutive ranks, so keep it within a node.
@@ -120,11 +131,42 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         compile: ``torch.compile`` each transformer block in place (regional compilation: one compiled graph per
             block type, reused by every block), after tensor parallel and activation checkpointing, before ZeRO-3
             (docs/compile.md).
+        tensor_parallel: the tensor-parallel options as one :class:`~lightning_hybrid.TensorParallelOptions`
+            (``plan``, ``vocab_parallel_loss``, ``verify_tensor_parallel``).
+        pipeline: the pipeline options as one :class:`~lightning_hybrid.PipelineOptions` (``num_microbatches``,
+            ``schedule``, ``virtual_pipeline_size``, ``partition``, ``network``, ``verify_pipeline``).
+        zero: the ZeRO options as one :class:`~lightning_hybrid.ZeroOptions` (``zero3_gradient_sync``,
+            ``overlap_grad_reduce``, ``bucket_cap_mb``, ``offload_optimizer``).
+        checkpoint: the checkpoint options as one :class:`~lightning_hybrid.CheckpointOptions`
+            (``async_checkpoint``, ``verify``, ``pretrained_weights``).
 
     Example:
         >>> from lightning.pytorch import Trainer
         >>> strategy = HybridStrategy(tensor_parallel_size=2, zero_stage=1)
         >>> trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=10)  # tp=2 x dp=2
+
+        The same layout at tp=2 x pp=2, with the options in their sections:
+
+        >>> from lightning_hybrid import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
+        >>> strategy = HybridStrategy(
+        ...     tensor_parallel_size=2,
+        ...     pipeline_parallel_size=2,
+        ...     zero_stage=1,
+        ...     tensor_parallel=TensorParallelOptions(plan={"*.mlp.c_fc": "colwise", "*.mlp.c_proj": "rowwise"}),
+        ...     pipeline=PipelineOptions(schedule="interleaved_1f1b", virtual_pipeline_size=2, num_microbatches=4),
+        ...     zero=ZeroOptions(bucket_cap_mb=50),
+        ...     checkpoint=CheckpointOptions(async_checkpoint=True),
+        ... )
+        >>> trainer = Trainer(accelerator="cpu", devices=8, strategy=strategy, max_steps=10)  # tp=2 x pp=2 x dp=2
+
+        An option given both ways must agree:
+
+        >>> from lightning_hybrid import HybridConfigError
+        >>> try:
+        ...     HybridStrategy(bucket_cap_mb=10, zero=ZeroOptions(bucket_cap_mb=50))
+        ... except HybridConfigError as error:
+        ...     print(str(error).split(". ")[0])
+        `bucket_cap_mb=10` and `zero=ZeroOptions(bucket_cap_mb=50.0)` give the same option two different values
     """
 
     strategy_name = "hybrid"
@@ -162,6 +204,11 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         layout: Optional[Literal["auto"]] = None,
         device_memory: Optional[float] = None,
         compile: bool = False,
+        *,
+        tensor_parallel: Optional[TensorParallelOptions] = None,
+        pipeline: Optional[PipelineOptions] = None,
+        zero: Optional[ZeroOptions] = None,
+        checkpoint: Optional[CheckpointOptions] = None,
         **kwargs: Any,
     ) -> None:
         # checked now (config.py): every rank runs the constructor, so all raise alike, before any collective exists
@@ -170,7 +217,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         self._options = StrategyOptions.from_arguments(**arguments)
         check_monitor(monitor)
         self._checkpoint_options = self._options.checkpoint  # read by CheckpointHooks
-        self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
+        self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=self._options.checkpoint.async_checkpoint)
         self._timeout = resolve_timeout(timeout)
         self.track_gradient_norm = track_gradient_norm
         """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor sets it every batch."""
@@ -296,7 +343,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
             )
             deferred = self._deferred.plan(module, pipeline_partition=self.layout.pipeline.partition)
             self.parallelized = parallelize(module, self.layout, self.device_mesh, options, self.precision_plugin)
-            pretrained = self._options.checkpoint.pretrained
+            pretrained = self._options.checkpoint.pretrained_weights
             if deferred is not None:  # built on meta: only now, split, does this rank get memory for its shards
                 unsplit_copy = getattr(self.parallelized.verifier, "reference", None)
                 self._deferred.materialize(

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
@@ -117,3 +119,57 @@ def test_cpu_configs_train_a_few_steps_with_their_layout(tmp_path: Path) -> None
         if name == "fp16_loss_scaling.yaml":  # the scaler is on: its scale (2^16 at the start, 1 without one)
             rows = [r for r in csv.DictReader(io.StringIO(metrics)) if r.get("train/loss_scale")]
             assert len(rows) == 2 and all(2.0**14 <= float(r["train/loss_scale"]) <= 2.0**16 for r in rows), rows
+
+
+# ---------------------------------------------------------------- the strategy's typed sections in YAML, parsed only
+def _strategy_from_yaml(tmp_path: Path, init_args: dict, *overrides: str) -> Any:
+    """The LightningCLI of a config with these strategy ``init_args``: parsed and instantiated in this process, not
+    run (``.trainer.strategy`` is the HybridStrategy)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    config = {
+        "seed_everything": False,  # leaves this process's random state alone
+        "trainer": {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
+                    "strategy": {"class_path": "lightning_hybrid.HybridStrategy", "init_args": init_args}},
+        "model": {"class_path": "lightning.pytorch.demos.boring_classes.BoringModel"},
+    }  # fmt: skip
+    path = tmp_path / "config.yaml"  # read at once: each call may overwrite it
+    path.write_text(yaml.safe_dump(config))
+    with mock.patch.object(sys, "argv", ["lightning-hybrid"]):  # pytest's own arguments are not the CLI's
+        return LightningCLI(subclass_mode_model=True, run=False, save_config_callback=None,
+                            args=["--config", str(path), *overrides])  # fmt: skip
+
+
+FLAT = {"tensor_parallel_size": 2, "tensor_parallel_plan": {"*.mlp.c_fc": "colwise", "*.mlp.c_proj": "rowwise"},
+        "pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_size": 2,
+        "num_microbatches": 4, "bucket_cap_mb": 50, "checkpoint_verify": False}  # fmt: skip
+NESTED = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+          "tensor_parallel": {"plan": {"*.mlp.c_fc": "colwise", "*.mlp.c_proj": "rowwise"}},
+          "pipeline": {"schedule": "interleaved_1f1b", "virtual_pipeline_size": 2, "num_microbatches": 4},
+          "zero": {"bucket_cap_mb": 50}, "checkpoint": {"verify": False}}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_yaml_takes_the_strategy_options_flat_or_in_their_sections(tmp_path: Path) -> None:
+    flat = _strategy_from_yaml(tmp_path, FLAT).trainer.strategy._options
+    assert flat.request.pipeline.virtual_pipeline_size == 2 and flat.checkpoint.verify is False
+    assert _strategy_from_yaml(tmp_path, NESTED).trainer.strategy._options == flat  # plain mappings
+    with_class_paths = {
+        **NESTED,
+        "pipeline": {"class_path": "lightning_hybrid.PipelineOptions", "init_args": NESTED["pipeline"]},
+    }
+    assert _strategy_from_yaml(tmp_path, with_class_paths).trainer.strategy._options == flat
+    # a section's field from the command line, and the resolved configuration read back as it was saved
+    cli = _strategy_from_yaml(tmp_path, NESTED, "--trainer.strategy.init_args.pipeline.schedule=zbv_zero_bubble")
+    assert cli.trainer.strategy._options.request.pipeline.schedule == "zbv_zero_bubble"
+    saved = yaml.safe_load(cli.parser.dump(cli.config, skip_none=False))["trainer"]["strategy"]["init_args"]
+    assert saved["pipeline"]["schedule"] == "zbv_zero_bubble" and saved["pipeline_schedule"] == "1f1b"
+    again = _strategy_from_yaml(tmp_path, saved).trainer.strategy._options
+    assert again == cli.trainer.strategy._options
+
+
+@pytest.mark.timeout(120)
+def test_yaml_giving_an_option_both_ways_differently_is_refused(tmp_path: Path) -> None:
+    # jsonargparse reports the strategy's HybridConfigError (a ValueError) inside its own, with the text
+    with pytest.raises(ValueError, match=r"`bucket_cap_mb=10\.0` and `zero=ZeroOptions\(bucket_cap_mb=50\.0\)` give"):
+        _strategy_from_yaml(tmp_path, {**NESTED, "bucket_cap_mb": 10})

@@ -7,8 +7,11 @@ Fast on purpose: no collectives, no launched processes, tiny modules.
 
 from __future__ import annotations
 
+import dataclasses
+import doctest
 import inspect
 import re
+import typing
 
 import pytest
 import torch
@@ -17,7 +20,15 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_hybrid import HybridConfigError, HybridStrategy, ParallelLayout
-from lightning_hybrid.config import PipelineOptions, StrategyOptions, TensorParallelOptions, ZeroOptions
+from lightning_hybrid.config import (
+    SECTIONS,
+    CheckpointOptions,
+    PipelineOptions,
+    StrategyOptions,
+    TensorParallelOptions,
+    ZeroOptions,
+    flat_argument,
+)
 from lightning_hybrid.sharding import expected_model_state_bytes, measure_model_state_bytes
 from lightning_hybrid.structure import find_model_structure
 from lightning_hybrid.tensor_parallel import (
@@ -128,10 +139,10 @@ def test_layout_pipeline_options_are_recorded_flat():
     [
         (lambda: TensorParallelOptions(plan="manual"), r"`tensor_parallel_plan` must be 'auto' or a dict"),
         (lambda: PipelineOptions(schedule="fast"), r"`pipeline_schedule='fast'` is not one of"),
-        (lambda: PipelineOptions(virtual_size=2), r"`virtual_pipeline_size=2` needs an interleaved schedule"),
-        (lambda: PipelineOptions(verify="yes"), r"`verify_pipeline` must be True, False or 'auto'"),
+        (lambda: PipelineOptions(virtual_pipeline_size=2), r"`virtual_pipeline_size=2` needs an interleaved schedule"),
+        (lambda: PipelineOptions(verify_pipeline="yes"), r"`verify_pipeline` must be True, False or 'auto'"),
         (lambda: ZeroOptions(bucket_cap_mb=0), r"`bucket_cap_mb` must be a positive number of MiB, got 0\."),
-        (lambda: ZeroOptions(gradient_sync="never"), r"`zero3_gradient_sync` must be 'per_step' or 'per_microbatch'"),
+        (lambda: ZeroOptions(zero3_gradient_sync="never"), r"`zero3_gradient_sync` must be 'per_step' or"),
     ],
 )  # fmt: skip
 def test_option_sections_check_themselves(make, match):
@@ -223,6 +234,159 @@ def test_every_strategy_argument_is_checked_with_the_strategy_default():
     assert {name: strategy[name].default for name in options} == {name: p.default for name, p in options.items()}
     request = HybridStrategy(pipeline_parallel_size=2, pipeline_schedule="gpipe", bucket_cap_mb=50)._options.request
     assert (request.pipeline.schedule, request.zero.bucket_cap_mb) == ("gpipe", 50.0)
+
+
+# ------------------------------------------------------------------------- typed sections: one option, two forms
+# one value other than the default for every field of every section, valid together (SECTIONS lists the sections)
+SECTION_VALUES = {
+    ("tensor_parallel", "plan"): {"*.mlp.c_fc": "colwise", "*.mlp.c_proj": "rowwise"},
+    ("tensor_parallel", "vocab_parallel_loss"): False,
+    ("tensor_parallel", "verify_tensor_parallel"): True,
+    ("pipeline", "num_microbatches"): 4,
+    ("pipeline", "schedule"): "interleaved_1f1b",
+    ("pipeline", "virtual_pipeline_size"): 2,
+    ("pipeline", "partition"): [1, 1, 2],
+    ("pipeline", "network"): "model",
+    ("pipeline", "verify_pipeline"): False,
+    ("zero", "zero3_gradient_sync"): "per_microbatch",
+    ("zero", "overlap_grad_reduce"): False,
+    ("zero", "bucket_cap_mb"): 50.0,
+    ("zero", "offload_optimizer"): True,
+    ("checkpoint", "async_checkpoint"): True,
+    ("checkpoint", "verify"): False,
+    ("checkpoint", "pretrained_weights"): "WEIGHTS",  # a folder made per test (the value is checked on disk)
+}
+# a second value other than the default, for the fields that have one (the others cannot disagree both ways)
+OTHER_VALUES = {
+    ("tensor_parallel", "plan"): {"*.attn.c_attn": "colwise", "*.attn.c_proj": "rowwise"},
+    ("tensor_parallel", "verify_tensor_parallel"): False,
+    ("pipeline", "num_microbatches"): 8,
+    ("pipeline", "schedule"): "zbv_zero_bubble",
+    ("pipeline", "virtual_pipeline_size"): 3,
+    ("pipeline", "partition"): "parameters",
+    ("pipeline", "network"): "model.transformer",
+    ("pipeline", "verify_pipeline"): True,
+    ("zero", "bucket_cap_mb"): 10.0,
+    ("checkpoint", "pretrained_weights"): "OTHER",
+}
+SECTION_FIELDS = [(section, f) for section, options in SECTIONS.items() for f in dataclasses.fields(options)]
+# fields a section only accepts together (a section checks itself when made)
+TOGETHER = {("pipeline", "schedule"): ("pipeline", "virtual_pipeline_size"),
+            ("pipeline", "virtual_pipeline_size"): ("pipeline", "schedule")}  # fmt: skip
+
+
+@pytest.fixture
+def section_values(tmp_path) -> dict[tuple[str, str], typing.Any]:
+    """:data:`SECTION_VALUES` with the weights folders made (``pretrained_weights`` is checked on disk)."""
+    pytest.importorskip("safetensors")
+    for name in ("WEIGHTS", "OTHER"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").touch()
+    weights = ("checkpoint", "pretrained_weights")
+    return {**SECTION_VALUES, weights: str(tmp_path / SECTION_VALUES[weights])}
+
+
+def _flat(values: dict) -> dict[str, typing.Any]:
+    return {flat_argument(section, name): value for (section, name), value in values.items()}
+
+
+def _sections(values: dict) -> dict[str, typing.Any]:
+    grouped: dict[str, dict] = {}
+    for (section, name), value in values.items():
+        grouped.setdefault(section, {})[name] = value
+    return {section: SECTIONS[section](**fields) for section, fields in grouped.items()}
+
+
+def test_every_section_field_has_one_flat_argument_by_the_rule_with_its_type_and_default():
+    """Read from the dataclasses, so a field added to a section without its flat argument (or with another name, type
+    or default) fails here; the constructor takes each section by its keyword."""
+    assert set(SECTION_VALUES) == {(section, f.name) for section, f in SECTION_FIELDS}
+    flat_hints = typing.get_type_hints(HybridStrategy.__init__)
+    parameters = inspect.signature(HybridStrategy.__init__).parameters
+    flat_names = []
+    for section, f in SECTION_FIELDS:
+        name = flat_argument(section, f.name)
+        flat_names.append(name)
+        assert name == (f.name if "_" in f.name else f"{section}_{f.name}")
+        assert name in parameters, f"{SECTIONS[section].__name__}.{f.name} has no flat argument `{name}`"
+        assert parameters[name].default == f.default, name
+        assert flat_hints[name] == typing.get_type_hints(SECTIONS[section])[f.name], name
+    assert len(set(flat_names)) == len(flat_names)  # one flat name per option
+    for section, options in SECTIONS.items():
+        assert parameters[section].kind is inspect.Parameter.KEYWORD_ONLY and parameters[section].default is None
+        assert flat_hints[section] == typing.Optional[options]
+
+
+def test_sections_give_the_same_options_as_the_flat_arguments(section_values):
+    flat = HybridStrategy(pipeline_parallel_size=2, **_flat(section_values))._options
+    assert flat == HybridStrategy(pipeline_parallel_size=2, **_sections(section_values))._options
+    for (section, name), value in section_values.items():  # every value arrived where the strategy reads it
+        where = flat.checkpoint if section == "checkpoint" else getattr(flat.request, section)
+        assert getattr(where, name) == value, (section, name)
+
+
+@pytest.mark.parametrize(("section", "name"), [(s, f.name) for s, f in SECTION_FIELDS], ids=lambda x: str(x))
+def test_each_option_is_reachable_in_its_section_with_the_others_flat(section_values, section, name):
+    whole = HybridStrategy(**_flat(section_values))._options
+    given = {(section, name), TOGETHER.get((section, name))}
+    rest = {key: value for key, value in section_values.items() if key not in given}
+    one = {key: value for key, value in section_values.items() if key in given}
+    assert HybridStrategy(**_flat(rest), **_sections(one))._options == whole
+    # given both ways with the same value, it is the same option: accepted
+    assert HybridStrategy(**_flat(section_values), **_sections(one))._options == whole
+
+
+def test_an_option_given_both_ways_with_different_values_is_refused_naming_both(section_values):
+    two_valued = {(s, f.name) for s, f in SECTION_FIELDS
+                  if typing.get_type_hints(SECTIONS[s])[f.name] is bool or f.name == "zero3_gradient_sync"}  # fmt: skip
+    assert set(OTHER_VALUES) == set(SECTION_VALUES) - two_valued  # the others cannot disagree: one side is the default
+    for (section, name), other in OTHER_VALUES.items():
+        if name == "pretrained_weights":
+            other = section_values[(section, name)].replace("WEIGHTS", other)
+        flat_name, value = flat_argument(section, name), section_values[(section, name)]
+        companion = {key: section_values[key] for key in [TOGETHER.get((section, name))] if key}
+        given = _sections({**companion, (section, name): other})
+        with pytest.raises(HybridConfigError) as raised:
+            HybridStrategy(**{flat_name: value}, **given)
+        message = str(raised.value)
+        assert f"`{flat_name}={value!r}`" in message, message
+        assert f"`{section}={SECTIONS[section].__name__}({name}={other!r})`" in message, message
+        assert "Give it once" in message
+
+
+def test_a_section_is_checked_as_its_flat_arguments_are():
+    with pytest.raises(HybridConfigError, match=r"`pipeline_schedule='interleaved_1f1b'` runs several stages"):
+        HybridStrategy(pipeline_schedule="interleaved_1f1b")
+    with pytest.raises(HybridConfigError, match=r"`pipeline_schedule='interleaved_1f1b'` runs several stages"):
+        PipelineOptions(schedule="interleaved_1f1b")
+    # the flat arguments are checked together with the section, once: alone, this one would be refused
+    with pytest.raises(HybridConfigError, match=r"`virtual_pipeline_size=2` needs an interleaved schedule"):
+        HybridStrategy(virtual_pipeline_size=2)
+    interleaved = PipelineOptions(schedule="interleaved_1f1b", virtual_pipeline_size=2)
+    assert HybridStrategy(virtual_pipeline_size=2, pipeline=interleaved)._options.request.pipeline == interleaved
+    # the checks across sections run on the sections too
+    with pytest.raises(HybridConfigError, match=r"`num_microbatches=2` is smaller than `pipeline_parallel_size=4`"):
+        HybridStrategy(pipeline_parallel_size=4, pipeline=PipelineOptions(num_microbatches=2))
+    with pytest.raises(HybridConfigError, match=r"`compile=True` cannot run with `pipeline_schedule='zbv_zero"):
+        HybridStrategy(compile=True, pipeline=PipelineOptions(schedule="zbv_zero_bubble", virtual_pipeline_size=2))
+    with pytest.raises(HybridConfigError, match=r"explicit sizes were given \(num_microbatches=4\)"):
+        HybridStrategy(layout="auto", pipeline=PipelineOptions(num_microbatches=4))
+    with pytest.raises(HybridConfigError, match=r"`zero` must be a lightning_hybrid\.ZeroOptions\(\.\.\.\) or None"):
+        HybridStrategy(zero={"bucket_cap_mb": 50})  # type: ignore[arg-type]
+
+
+def test_the_checkpoint_section_reaches_the_writer():
+    strategy = HybridStrategy(checkpoint=CheckpointOptions(async_checkpoint=True, verify=False))
+    assert strategy._checkpoint_writer.asynchronous and strategy._checkpoint_options.verify is False
+
+
+def test_the_constructor_examples_run():
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    import lightning_hybrid.strategy as module
+
+    for test in finder.find(HybridStrategy, "HybridStrategy", module=module, globs=vars(module).copy()):
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
 
 
 def test_strategy_is_registered_by_name():

@@ -266,4 +266,4 @@ def test_the_strategy_argument_is_checked_at_construction(tmp_path: Path, make: 
 
 
 def test_the_strategy_argument_accepts_a_folder(hf_folder: Path) -> None:
-    assert HybridStrategy(pretrained_weights=hf_folder)._options.checkpoint.pretrained == str(hf_folder)
+    assert HybridStrategy(pretrained_weights=hf_folder)._options.checkpoint.pretrained_weights == str(hf_folder)

@@ -95,7 +95,7 @@ def auto_request(request: LayoutRequest, module: nn.Module, **machine: Any) -> t
     sizes, num_microbatches, message = auto_layout(
         module,
         schedule=pipeline.schedule,
-        virtual_stages=pipeline.virtual_size,
+        virtual_stages=pipeline.virtual_pipeline_size,
         sequence_parallel=request.sequence_parallel,
         **machine,
     )
