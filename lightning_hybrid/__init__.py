@@ -6,11 +6,11 @@ from lightning_hybrid._version import __version__ as __version__
 from lightning_hybrid.config import (
     CheckpointOptions,
     HybridConfigError,
-    ParallelLayout,
     PipelineOptions,
     TensorParallelOptions,
     ZeroOptions,
 )
+from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.monitoring import CommunicationMeter, HealthChecks, HybridMonitor
 from lightning_hybrid.planning import plan
 from lightning_hybrid.precision import HybridPrecision

@@ -23,7 +23,8 @@ from lightning_hybrid._lightning_compat import module_device_mesh, module_traine
 from lightning_hybrid.agreement import computed_on_one_rank, raise_together
 from lightning_hybrid.batch_norm import sync_batch_norm
 from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
-from lightning_hybrid.config import HybridConfigError, ParallelLayout
+from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
 from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.pipeline.shared import SharedParameters, find_shared_parameters

@@ -30,16 +30,10 @@ from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
 from lightning_hybrid.checkpoint.strategy_io import CheckpointHooks
-from lightning_hybrid.config import (
-    CheckpointOptions,
-    ParallelLayout,
-    PipelineOptions,
-    StrategyOptions,
-    TensorParallelOptions,
-    ZeroOptions,
-)
+from lightning_hybrid.config import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import skip_finished_batches
+from lightning_hybrid.layout import ParallelLayout, StrategyOptions
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
@@ -81,7 +75,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
     by field in ``lightning_hybrid.config``). A field of one word takes its section's name in front in the flat form
     (``plan`` <-> ``tensor_parallel_plan``); a longer one is the flat name itself (``num_microbatches``). The sizes and
     ``sequence_parallel`` are flat only. The constructor builds each section from both forms and checks it once
-    (:meth:`~lightning_hybrid.config.StrategyOptions.from_arguments`), raising
+    (:meth:`~lightning_hybrid.layout.StrategyOptions.from_arguments`), raising
     :class:`~lightning_hybrid.HybridConfigError` alike on every rank, also for an option given both ways with different
     values (a flat argument at its default counts as not given).
 

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import lightning_hybrid._lightning_compat as compat
 from lightning_hybrid._torch_compat import group_options
-from lightning_hybrid.config import ParallelLayout
+from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.process_groups import forget_subgroups
 from lightning_hybrid.watchdog import HangWatchdog, configure_flight_recorder
 

@@ -227,7 +227,7 @@ def test_the_mesh_answers_to_lightnings_dimension_names(tmp_path) -> None:
     """One process: the names of Lightning's ModelParallelStrategy slice the same dimensions as ours."""
     import torch.distributed as dist
 
-    from lightning_hybrid.config import ParallelLayout
+    from lightning_hybrid.layout import ParallelLayout
     from lightning_hybrid.topology import build_device_mesh, with_lightning_names
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

@@ -24,11 +24,11 @@ from lightning_hybrid.config import (
     SECTIONS,
     CheckpointOptions,
     PipelineOptions,
-    StrategyOptions,
     TensorParallelOptions,
     ZeroOptions,
     flat_argument,
 )
+from lightning_hybrid.layout import StrategyOptions
 from lightning_hybrid.sharding import expected_model_state_bytes, measure_model_state_bytes
 from lightning_hybrid.structure import find_model_structure
 from lightning_hybrid.tensor_parallel import (

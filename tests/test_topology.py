@@ -32,7 +32,7 @@ def _worker(rank: int, store: str, results: dict) -> None:
         singles = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in the same order
         t = torch.tensor([value])
         out["single"] = reduce(t, singles[rank], "sum").item()
-        from lightning_hybrid.config import ParallelLayout
+        from lightning_hybrid.layout import ParallelLayout
         from lightning_hybrid.topology import build_device_mesh
 
         layout = ParallelLayout.resolve(world_size=2, tensor_parallel_size=2)

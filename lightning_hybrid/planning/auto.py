@@ -8,13 +8,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_hybrid.config import (
-    HybridConfigError,
-    LayoutRequest,
-    ParallelLayout,
-    StrategyOptions,
-    check_auto_layout,
-)
+from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.layout import LayoutRequest, ParallelLayout, StrategyOptions, check_auto_layout
 
 __all__ = ["auto_layout", "auto_request", "check_auto_layout", "resolve_layout"]
 
@@ -117,7 +112,7 @@ def resolve_layout(
     planner's choice and ledger logged on rank 0. Collective-free: a bad layout raises on every rank alike.
 
     Example:
-        >>> from lightning_hybrid.config import StrategyOptions
+        >>> from lightning_hybrid.layout import StrategyOptions
         >>> options = StrategyOptions.from_arguments(tensor_parallel_size=2)
         >>> layout = resolve_layout(options, None, world_size=4, devices_per_node=4, device=None, precision=None)
         >>> layout.data_parallel_size

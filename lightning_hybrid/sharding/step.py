@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_hybrid.config import ParallelLayout
+    from lightning_hybrid.layout import ParallelLayout
     from lightning_hybrid.parallelize import Parallelized
 
 __all__ = ["GradientStep", "GradientStepHooks"]

@@ -1,0 +1,305 @@
+"""The parallel layout as plain data and the strategy's whole set of options, checked.
+
+:class:`LayoutRequest` is the layout as asked for (sizes and the typed sections of ``lightning_hybrid.config``),
+:class:`ParallelLayout` the layout once the world size is known, :class:`StrategyOptions` everything
+``HybridStrategy``'s constructor was given. Pure Python, like ``config``: every rank runs the same checks on the same
+numbers and raises the same :class:`~lightning_hybrid.HybridConfigError` before any collective exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Optional, Union
+
+from lightning_hybrid.config import (
+    SECTIONS,
+    CheckpointOptions,
+    HybridConfigError,
+    PipelineOptions,
+    TensorParallelOptions,
+    ZeroOptions,
+    build_section,
+    check_positive_int,
+    check_sizes,
+)
+
+__all__ = ["LayoutRequest", "ParallelLayout", "StrategyOptions", "check_auto_layout", "check_compile"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutRequest:
+    """The layout as asked for, before the world size is known: validated on construction (on every rank alike,
+    collective-free), completed by :meth:`resolve`.
+
+    Example:
+        >>> LayoutRequest(tensor_parallel_size=2, pipeline_parallel_size=2).resolve(8).data_parallel_size
+        2
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: Union[int, Literal["auto"]] = "auto"
+    zero_stage: int = 1
+    sequence_parallel: bool = False
+    tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+
+    def __post_init__(self) -> None:
+        check_sizes(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            zero_stage=self.zero_stage,
+            sequence_parallel=self.sequence_parallel,
+        )
+        self.pipeline.check_stages(self.pipeline_parallel_size)
+
+    def resolve(self, world_size: int) -> ParallelLayout:
+        """Validate the sizes against the world size and fill in ``data_parallel_size="auto"`` and the micro-batch
+        count."""
+        check_positive_int("world_size", world_size)
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if world_size % (tp * pp) != 0:
+            raise HybridConfigError(
+                f"The world size ({world_size}) is not divisible by tensor_parallel_size x pipeline_parallel_size"
+                f" ({tp} x {pp} = {tp * pp}). Change `tensor_parallel_size`/`pipeline_parallel_size`, or launch a"
+                f" multiple of {tp * pp} processes (devices x num_nodes)."
+            )
+        if self.data_parallel_size == "auto":
+            dp = world_size // (tp * pp)
+        else:
+            dp = self.data_parallel_size
+            if tp * pp * dp != world_size:
+                raise HybridConfigError(
+                    f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {tp} x {pp} x {dp} ="
+                    f" {tp * pp * dp}, but the world size is {world_size}. Set `data_parallel_size='auto'`"
+                    f" (= {world_size // (tp * pp)}) or change the sizes so that their product is {world_size}."
+                )
+        return ParallelLayout(
+            world_size=world_size,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            data_parallel_size=dp,
+            zero_stage=self.zero_stage,
+            sequence_parallel=self.sequence_parallel,
+            tensor_parallel=self.tensor_parallel,
+            pipeline=replace(self.pipeline, num_microbatches=self.pipeline.num_microbatches or pp),
+            zero=self.zero,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """How the world of processes is split: tensor x pipeline x data parallel, and the ZeRO stage over data.
+
+    Example:
+        >>> layout = ParallelLayout.resolve(world_size=8, tensor_parallel_size=2, pipeline_parallel_size=2)
+        >>> layout.data_parallel_size
+        2
+    """
+
+    world_size: int
+    """Number of processes in the job."""
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer's weights (innermost mesh dimension: consecutive ranks)."""
+    pipeline_parallel_size: int = 1
+    """Ranks that split the stack of layers into stages (outermost mesh dimension)."""
+    data_parallel_size: int = 1
+    """Model replicas that see different data; ZeRO shards over this dimension."""
+    zero_stage: int = 1
+    """0: replicate; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout activations along the sequence between tensor-parallel regions (Megatron-SP)."""
+    tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
+    """How layers are split over the tensor dimension."""
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    """How the blocks are cut into stages and scheduled (used when ``pipeline_parallel_size`` > 1)."""
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+    """How gradients and optimizer state are reduced and sharded over the data dimension."""
+
+    @classmethod
+    def resolve(cls, *, world_size: int, **request: Any) -> ParallelLayout:
+        """Validate the sizes against the world size and fill in ``data_parallel_size="auto"`` (``request``: the
+        fields of :class:`LayoutRequest`)."""
+        return LayoutRequest(**request).resolve(world_size)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline, data, tensor) coordinates of a global rank; tensor varies fastest (Megatron's rank order)."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        return rank // (tp * dp), (rank // tp) % dp, rank % tp
+
+    def recorded_options(self) -> dict[str, Any]:
+        """The pipeline settings recorded with the run, flat (none without pipeline parallel)."""
+        if self.pipeline_parallel_size == 1:
+            return {}
+        p = self.pipeline
+        return {
+            "num_microbatches": p.num_microbatches,
+            "pipeline_schedule": p.schedule,
+            "virtual_pipeline_size": p.virtual_pipeline_size,
+            "pipeline_partition": p.partition,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        """The layout as plain types (for loggers, checkpoints and the start-up table)."""
+        sizes = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "zero_stage")
+        return {**{k: getattr(self, k) for k in sizes}, "sequence_parallel": self.sequence_parallel,
+                **self.recorded_options()}  # fmt: skip
+
+
+def check_compile(value: Any, request: LayoutRequest) -> None:
+    """``compile`` is True or False, and not with a zero-bubble pipeline schedule (constructor time,
+    collective-free, so every rank refuses alike).
+
+    Example:
+        >>> check_compile(True, LayoutRequest())
+    """
+    if not isinstance(value, bool):
+        raise HybridConfigError(
+            f"`compile` must be True or False, got {value!r}. True compiles each transformer block with"
+            " torch.compile (docs/compile.md)."
+        )
+    schedule = request.pipeline.schedule
+    if value and schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):
+        # these schedules split each stage's backward into an input-gradient pass that keeps the graph and a later
+        # weight-gradient pass; a compiled block's backward is one node that runs once and frees its buffers
+        raise HybridConfigError(
+            f"`compile=True` cannot run with `pipeline_schedule={schedule!r}`: the zero-bubble schedules run each"
+            " block's backward in two passes (input gradients, then weight gradients), and a compiled block's"
+            " backward runs as one. Use `pipeline_schedule='interleaved_1f1b'` (or '1f1b'/'gpipe') with compile,"
+            " or `compile=False`."
+        )
+
+
+_DEFAULT_SIZES = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": "auto", "zero_stage": 1}
+
+
+def check_auto_layout(layout: Optional[str], sizes: dict[str, Any], num_microbatches: Optional[int]) -> None:
+    """``layout`` is None or ``"auto"``; ``"auto"`` takes no explicit size (the planner chooses them all).
+
+    Example:
+        >>> check_auto_layout("auto", {"tensor_parallel_size": 1}, None)
+    """
+    if layout is None:
+        return
+    if layout != "auto":
+        raise HybridConfigError(f"`layout={layout!r}` must be 'auto' (let the planner choose) or None.")
+    given = {k: v for k, v in sizes.items() if k in _DEFAULT_SIZES and v != _DEFAULT_SIZES[k]}
+    if num_microbatches is not None:
+        given["num_microbatches"] = num_microbatches
+    if given:
+        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise HybridConfigError(
+            f"`layout='auto'` chooses the layout itself, but explicit sizes were given ({args}). Drop them, or drop"
+            " `layout='auto'` to use them. To fix one dimension and plan the rest, run `lightning-hybrid plan` with"
+            " e.g. `--tensor-parallel-size` and pass its answer."
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyOptions:
+    """What :class:`~lightning_hybrid.HybridStrategy` was asked for, checked: the layout request, the checkpoint
+    options and the strategy's own settings. :meth:`from_arguments` builds it from the constructor's flat arguments.
+
+    Example:
+        >>> StrategyOptions.from_arguments(tensor_parallel_size=2).request.tensor_parallel_size
+        2
+    """
+
+    request: LayoutRequest = field(default_factory=LayoutRequest)
+    """The layout as asked for (``layout="auto"`` replaces its sizes once the world size is known)."""
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in the backward pass instead of storing it."""
+    transformer_blocks: Optional[str] = None
+    """Name of the repeated block list when it cannot be found automatically."""
+    compile: bool = False
+    """``torch.compile`` each transformer block in place, once per block type (``lightning_hybrid/compile.py``)."""
+    process_group_backend: Optional[str] = None
+    """The backend asked for; None: ``"nccl"`` on CUDA, ``"gloo"`` on CPU."""
+    health_checks: Any = True
+    """Add :class:`~lightning_hybrid.HealthChecks` to the callbacks (True, False, or an instance)."""
+    monitor: Any = True
+    """Add :class:`~lightning_hybrid.HybridMonitor` (True, False, or an instance; checked by
+    ``monitoring.health.check_monitor``, next to the class this module cannot import)."""
+    auto_layout: bool = False
+    """``layout="auto"``: the planner chooses the sizes for the world size and device memory."""
+    device_memory: Optional[float] = None
+    """GB per device for ``layout="auto"`` on CPU."""
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        tensor_parallel_size: Any = 1,
+        pipeline_parallel_size: Any = 1,
+        data_parallel_size: Any = "auto",
+        zero_stage: Any = 1,
+        tensor_parallel_plan: Any = "auto",
+        sequence_parallel: bool = False,
+        activation_checkpointing: bool = False,
+        vocab_parallel_loss: bool = True,
+        transformer_blocks: Optional[str] = None,
+        compile: bool = False,
+        num_microbatches: Optional[int] = None,
+        pipeline_schedule: str = "1f1b",
+        virtual_pipeline_size: int = 1,
+        pipeline_partition: Any = "uniform",
+        pipeline_network: Optional[str] = None,
+        verify_pipeline: Any = "auto",
+        verify_tensor_parallel: Any = "auto",
+        zero3_gradient_sync: str = "per_step",
+        overlap_grad_reduce: bool = True,
+        bucket_cap_mb: float = 25.0,
+        offload_optimizer: bool = False,
+        process_group_backend: Optional[str] = None,
+        async_checkpoint: bool = False,
+        checkpoint_verify: bool = True,
+        pretrained_weights: Optional[str] = None,
+        health_checks: Any = True,
+        monitor: Any = True,
+        layout: Optional[str] = None,
+        device_memory: Optional[float] = None,
+        tensor_parallel: Optional[TensorParallelOptions] = None,
+        pipeline: Optional[PipelineOptions] = None,
+        zero: Optional[ZeroOptions] = None,
+        checkpoint: Optional[CheckpointOptions] = None,
+    ) -> StrategyOptions:
+        """Check ``HybridStrategy``'s arguments (documented there, same names and defaults) into their typed
+        sections: each section is built from its flat arguments and the section object given, if any
+        (:func:`flat_argument` names them), and validated once. Everything that needs no world size is checked here:
+        every rank runs the constructor, so all raise the same :class:`HybridConfigError` alike, before any collective
+        exists.
+
+        Example:
+            >>> options = StrategyOptions.from_arguments(bucket_cap_mb=50, zero=ZeroOptions(offload_optimizer=True))
+            >>> options.request.zero.bucket_cap_mb, options.request.zero.offload_optimizer
+            (50.0, True)
+        """
+        arguments = locals()
+        sections = {name: build_section(name, arguments, arguments[name]) for name in SECTIONS}
+        request = LayoutRequest(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+            tensor_parallel=sections["tensor_parallel"],
+            pipeline=sections["pipeline"],
+            zero=sections["zero"],
+        )
+        check_auto_layout(layout, vars(request), request.pipeline.num_microbatches)
+        check_compile(compile, request)
+        return cls(
+            request=request,
+            checkpoint=sections["checkpoint"],
+            activation_checkpointing=activation_checkpointing,
+            transformer_blocks=transformer_blocks,
+            compile=compile,
+            process_group_backend=process_group_backend,
+            health_checks=health_checks,
+            monitor=monitor,
+            auto_layout=layout == "auto",
+            device_memory=device_memory,
+        )
