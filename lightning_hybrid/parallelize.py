@@ -185,7 +185,7 @@ def parallelize(
     # 4b. compile each block, after tensor parallel and checkpointing, before ZeRO-3 wraps it (as torchtitan does)
     if options.compile:
         compile_blocks(module, held_blocks)
-    # 5. ZeRO-3: FSDP2 (ZeRO-1/2 wrap the optimizers instead: sharding/step.py)
+    # 5. ZeRO-3: FSDP2 (ZeRO-1/2 wrap the optimizers instead: sharding/gradient_step.py)
     dp_replicated = _fully_shard(module, structure, layout, mesh, precision, held_blocks, cut)
     # 6. the pipeline runner, and the sums of parameters several stages hold
     runner, shared, verifier = None, None, tp_verifier

@@ -1,7 +1,7 @@
 """HybridStrategy: the Lightning glue that composes the mesh, tensor parallel, the pipeline and ZeRO.
 
 The logic lives in the per-concern modules (docs/architecture.md): the arguments' checks in ``config.py``, processes
-and mesh in ``topology.py``, model surgery in ``parallelize.py``, the gradient step in ``sharding/step.py``,
+and mesh in ``topology.py``, model surgery in ``parallelize.py``, the gradient step in ``sharding/gradient_step.py``,
 checkpoint I/O in ``checkpoint/``; this class only decides *when* each runs in Lightning's loop.
 """
 
@@ -33,6 +33,7 @@ from lightning_hybrid.checkpoint.strategy_io import CheckpointHooks
 from lightning_hybrid.config import ParallelLayout, StrategyOptions
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import skip_finished_batches
+from lightning_hybrid.module_step import loss_context, run_step
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
@@ -40,8 +41,7 @@ from lightning_hybrid.parallelize import ModelOptions, Parallelized, parallelize
 from lightning_hybrid.pipeline import PipelineRunner
 from lightning_hybrid.planning.auto import resolve_layout
 from lightning_hybrid.precision import HybridPrecision, check_supported
-from lightning_hybrid.sharding.step import GradientStep, GradientStepHooks
-from lightning_hybrid.steps import loss_context, run_step
+from lightning_hybrid.sharding.gradient_step import GradientStep, GradientStepHooks
 from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, resolve_timeout
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ _OPTION_ARGUMENTS = frozenset(inspect.signature(StrategyOptions.from_arguments).
 
 def _module_step(name: str) -> Callable[..., Any]:
     """The strategy's hook ``name`` (``training_step``, ...): the module's step, run by
-    :func:`~lightning_hybrid.steps.run_step`."""
+    :func:`~lightning_hybrid.module_step.run_step`."""
 
     def step(self: HybridStrategy, *args: Any, **kwargs: Any) -> Any:
         module, data_group = self.lightning_module, self._data_group
@@ -344,7 +344,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         return skip_finished_batches(dataloader, self.lightning_module.trainer)  # a mid-epoch resume (data.py)
 
-    # ------------------------------------------------------------------ steps (steps.py)
+    # ------------------------------------------------------------------ steps (module_step.py)
     training_step = _module_step("training_step")
     validation_step = _module_step("validation_step")
     test_step = _module_step("test_step")

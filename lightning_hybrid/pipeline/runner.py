@@ -6,7 +6,7 @@ the last stage, each micro-batch runs the rest of the user's step (loss, ``self.
 step's loss and logged values are then sent to every stage, so Lightning, callbacks and loggers see the real values
 on every rank and nothing waits for a rank that never logs.
 
-The step is data (pipeline/step.py): a :class:`StepContext` handed to each stage module for the schedule's run, and
+The step is data (pipeline/step_data.py): a :class:`StepContext` handed to each stage module for the schedule's run, and
 a :class:`StepResults` the strategy logs once. The per-step and per-micro-batch work here is on the host's critical
 path (a pipeline step is many short actions): what the user's step logs is collected per micro-batch without
 Lightning's ``self.log`` (:class:`_LogCollector`), and travels as one small tensor once the logged names are known
@@ -34,7 +34,7 @@ from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.metrics import MetricMirror
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
-from lightning_hybrid.pipeline.step import (
+from lightning_hybrid.pipeline.step_data import (
     ActionTimer,
     LogRecord,
     StepContext,
@@ -88,7 +88,7 @@ class PipelineRunner:
         """The module's torchmetrics objects, updated on the last stage and mirrored on the others."""
         self.loss_scale = 1.0
         """Multiplies the loss the schedule differentiates: the fp16 loss scale over Lightning's
-        ``accumulate_grad_batches`` (``steps.run_step`` sets it each step)."""
+        ``accumulate_grad_batches`` (``module_step.run_step`` sets it each step)."""
         self.verifier: Optional[PipelineVerifier] = None
         """``verify_pipeline``: compares the first batch with an unsplit forward (the strategy sets it)."""
         self._checks_pending = True

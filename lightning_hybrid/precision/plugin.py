@@ -37,8 +37,8 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 class GlobalNormClipping(Protocol):
-    """What clipping by norm needs from the strategy's gradient step (``sharding/step.py``'s ``GradientStep``): the
-    plugin sits below the step in the package's layers, so it names only this."""
+    """What clipping by norm needs from the strategy's gradient step (``sharding/gradient_step.py``'s
+    ``GradientStep``): the plugin sits below the step in the package's layers, so it names only this."""
 
     def clip_(self, max_norm: float) -> float:
         """Clip every gradient by the norm over all shards; return that norm (before clipping). Collective."""

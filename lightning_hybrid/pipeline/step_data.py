@@ -72,7 +72,8 @@ class StepResults:
 
     def log(self, log: Callable[..., None]) -> Any:
         """Call ``log`` (``LightningModule.log``; the strategy's step makes its ``sync_dist`` reduce over the
-        data-parallel group, see :func:`lightning_hybrid.steps.run_step`) once per logged name. Returns ``output``."""
+        data-parallel group, see :func:`lightning_hybrid.module_step.run_step`) once per logged name. Returns
+        ``output``."""
         for name, value, args, kwargs in self.logged:
             log(name, value, *args, **kwargs)
         return self.output

@@ -2,7 +2,7 @@
 
 A step runs under the precision plugin's context for it and, with a vocabulary-parallel head, torch's
 ``loss_parallel``; under pipeline parallel, through the pipeline runner, which gives back the step's output and the
-values it logged, merged over micro-batches (:class:`~lightning_hybrid.pipeline.step.StepResults`). Lightning then
+values it logged, merged over micro-batches (:class:`~lightning_hybrid.pipeline.step_data.StepResults`). Lightning then
 receives plain tensors (not DTensors), and ``self.log(..., sync_dist=True)`` reduces over the data-parallel replicas
 only: tensor and pipeline peers of a replica hold the same value, so reducing over them too would count it several
 times. Both ways of logging name that group with :func:`sync_over`.
