@@ -54,8 +54,8 @@ def run_step(
         if runner is not None:
             # the schedule runs backward inside the step: the fp16 loss scale is applied there, and so is Lightning's
             # division of the loss by accumulate_grad_batches, which it applies to the loss it differentiates itself
-            runner.loss_scale = (precision.loss_scale or 1.0) / _accumulation(module, name)
-            results = runner.run(name, *args, *kwargs.values())
+            loss_scale = (precision.loss_scale or 1.0) / _accumulation(module, name)
+            results = runner.run(name, *args, *kwargs.values(), loss_scale=loss_scale)
             # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank; pipeline
             # and tensor peers hold the same value, so `sync_dist` reduces over the data-parallel replicas only
             return results.log(lambda key, value, *a, **kw: module.log(key, value, *a, **sync_over(kw, data_group)))

@@ -102,9 +102,6 @@ class Parallelized:
         assert verifier is not None
         if not getattr(module, "automatic_optimization", True):
             return  # a manual step calls the optimizers itself: running it twice would step them twice
-        # only the tensor-parallel sums: the ZeRO reduction keeps state of its own (fp32 accumulators, buckets) that
-        # the check's dropped gradients must not reach
-        verifier.sync = self.gradient_sync
         network = module.get_submodule(self.structure.network_name or "")
         verify_first_step(verifier, module, network, mode, args, kwargs)
 

@@ -1,13 +1,13 @@
 """HybridStrategy: the Lightning glue that composes the mesh, tensor parallel, the pipeline and ZeRO.
 
 The logic lives in the per-concern modules (docs/architecture.md): the arguments' checks in ``config.py``, processes
-and mesh in ``topology.py``, model surgery in ``parallelize.py``, the gradient step in ``sharding/gradient_step.py``,
-checkpoint I/O in ``checkpoint/``; this class only decides *when* each runs in Lightning's loop.
+and mesh in ``topology.py``, model surgery in ``parallelize.py``, the order of a training step in
+``optimizer_step.py`` (the step spine), checkpoint I/O in ``checkpoint/``; this class only decides *when* each runs in
+Lightning's loop.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
@@ -37,11 +37,13 @@ from lightning_hybrid.module_step import loss_context, run_step
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
+from lightning_hybrid.optimizer_step import OptimizerStep
 from lightning_hybrid.parallelize import ModelOptions, Parallelized, parallelize
 from lightning_hybrid.pipeline import PipelineRunner
 from lightning_hybrid.planning.auto import resolve_layout
 from lightning_hybrid.precision import HybridPrecision, check_supported
-from lightning_hybrid.sharding.gradient_step import GradientStep, GradientStepHooks
+from lightning_hybrid.sharding.gradient_step import GradientStep
+from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, resolve_timeout
 
 if TYPE_CHECKING:
@@ -66,7 +68,7 @@ def _module_step(name: str) -> Callable[..., Any]:
     return step
 
 
-class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
+class HybridStrategy(CheckpointHooks, ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
     The arguments are flat (as LightningCLI/YAML give them); the constructor checks them into typed sections
@@ -100,7 +102,8 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         overlap_grad_reduce: reduce gradients in buckets during backward (ZeRO-0/2 without pipeline parallel).
         bucket_cap_mb: size of those buckets in MiB (DDP's ``bucket_cap_mb``).
         track_gradient_norm: take the global gradient norm (before clipping) every step into
-            ``strategy.last_gradient_norm``; :class:`~lightning_hybrid.HybridMonitor` sets it every batch.
+            ``strategy.last_gradient_norm``; :class:`~lightning_hybrid.HybridMonitor` has it taken on its logging
+            steps.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
         timeout: how long a collective waits for a rank that does not come (``timedelta`` or seconds; default 10
             minutes); a stuck rank then ends the job and every rank says which rank is stuck (docs/reliability.md).
@@ -173,7 +176,8 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
         self._timeout = resolve_timeout(timeout)
         self.track_gradient_norm = track_gradient_norm
-        """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor sets it every batch."""
+        """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor has it taken on its
+        logging steps anyway."""
         self._topology: Optional[topology.Topology] = None
         self.parallelized: Optional[Parallelized] = None
         """What :func:`~lightning_hybrid.parallelize.parallelize` returned for the module (None before set-up)."""
@@ -181,7 +185,8 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         self.pretrained: Optional[LoadReport] = None
         """What was loaded from ``pretrained_weights`` on this rank (None without them, or before set-up)."""
         self._pipeline: Optional[PipelineRunner] = None
-        self._gradient_step: Optional[GradientStep] = None
+        self._optimizer_step: Optional[OptimizerStep] = None
+        self._monitors: list[HybridMonitor] = []  # they ask for the gradient norm on their logging steps
         self._backward_sync_blocked = False
         self._deferred = DeferredConstruction()
         self.num_nodes = 1
@@ -306,25 +311,31 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
             # masters) are made from them; a later ckpt_path resume overwrites them (checkpoint/pretrained.py)
             self.pretrained = load_pretrained_weights(module, pretrained, self.parallelized)
             self._pipeline, self._parallelized_module = self.parallelized.runner, module
-            if self.parallelized.verifier is not None:  # within a replica: tensor-parallel and shared sums
-                self.parallelized.verifier.sync = self.reduce_gradients
+            verifier = self.parallelized.verifier
+            if verifier is not None:
+                # the check's gradients are summed within a replica: over the stages' tied weights and tensor-parallel
+                # replicas (verify_pipeline), or the tensor-parallel sums only, since ZeRO's reduction keeps state of
+                # its own that the check's dropped gradients must not reach (verify_tensor_parallel)
+                pipelined = self._pipeline is not None
+                verifier.sync = self.reduce_gradients if pipelined else self.parallelized.gradient_sync
             sync_metrics_over(module, self._data_group)  # torchmetrics: reduce over replicas only
         # Lightning's model summary runs example_input_array through the model on rank 0 alone: a split model's
         # forward is a collective (TP/ZeRO-3) or needs other stages, so it would hang or fail. Hidden until teardown.
         self._example_input_array, module.example_input_array = module.example_input_array, None
         self.model_to_device()
         self.barrier()
+        self._monitors = [c for c in trainer.callbacks if isinstance(c, HybridMonitor)]
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._gradient_step.hold_schedulers_on_skipped_steps(trainer)
+            self._require_optimizer_step().hold_schedulers_on_skipped_steps(trainer)
         self.setup_precision_plugin()
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self._gradient_step is not None:  # a second fit on the same strategy: the old buckets stop listening
-            self._gradient_step.close()
-        self._gradient_step = GradientStep.for_layout(
+        if self._optimizer_step is not None:  # a second fit on the same strategy: the old buckets stop listening
+            self._optimizer_step.gradients.close()
+        gradients = GradientStep.for_layout(
             self.lightning_module,
             self.optimizers,
             self.layout,
@@ -333,7 +344,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
             self.precision_plugin,
             self.root_device,
         )
-        self.precision_plugin.use_gradient_step(self._gradient_step)
+        self._optimizer_step = OptimizerStep(gradients, self.precision_plugin)
 
     @override
     def model_to_device(self) -> None:
@@ -372,10 +383,61 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        assert self._gradient_step is not None, "set up the optimizers first"
-        step = functools.partial(super().optimizer_step, optimizer, model=model, **kwargs)
-        blocked, tracked = self._backward_sync_blocked, self.track_gradient_norm
-        return self._gradient_step.run(optimizer, closure, step, backward_sync_blocked=blocked, track_norm=tracked)
+        """One training step's gradients and update, in order (``optimizer_step.py``, the step spine)."""
+        blocked = self._backward_sync_blocked
+        tracked = self.track_gradient_norm or any(m.wants_gradient_norm for m in self._monitors)
+        return self._require_optimizer_step().run(
+            optimizer,
+            closure,
+            model or self.lightning_module,
+            backward_sync_blocked=blocked,
+            track_norm=tracked,
+            **kwargs,
+        )
+
+    def _require_optimizer_step(self) -> OptimizerStep:
+        assert self._optimizer_step is not None, "set up the optimizers first"
+        return self._optimizer_step
+
+    # ------------------------------------------------------------------ gradients (optimizer_step.py, sharding/)
+    @property
+    def gradient_buckets(self) -> list[list[dict[str, int]]]:
+        """Per optimizer, per gradient bucket (``overlap_grad_reduce``): parameters, bytes, all-reduces started and
+        how many of them started during backward (empty lists where the gradients are not bucketed)."""
+        return self._optimizer_step.gradients.bucket_stats() if self._optimizer_step is not None else []
+
+    @property
+    def last_gradient_norm(self) -> Optional[float]:
+        """The global gradient norm before clipping at the last optimizer step (None if it overflowed)."""
+        return self._optimizer_step.last.norm if self._optimizer_step is not None else None
+
+    @property
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
+        return self._optimizer_step.gradients.model_state_bytes if self._optimizer_step is not None else {}
+
+    @property
+    def sharded_optimizers(self) -> list[ShardedOptimizer]:
+        """The ZeRO-0/1/2 wrappers of the optimizers (none at ZeRO-3 or before the optimizers are set up)."""
+        return self._optimizer_step.gradients.sharded if self._optimizer_step is not None else []
+
+    def _sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
+        return self._optimizer_step.gradients.sharded_for(optimizer) if self._optimizer_step is not None else None
+
+    def clip_gradients_by_global_norm(self, max_norm: float) -> float:
+        """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
+        device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
+        return self._require_optimizer_step().clip(max_norm)
+
+    def reduce_gradients(self, sharded: Optional[ShardedOptimizer] = None) -> None:
+        """Make gradients the single-device ones: tensor-parallel replicas first, then data-parallel (ZeRO) reduction.
+        Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself)."""
+        self._require_optimizer_step().gradients.reduce(sharded)
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
+        on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
+        return self._require_optimizer_step().gradients.full_gradients()
 
     @property
     def pipeline_timeline(self) -> Any:
@@ -406,7 +468,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         if self.lightning_module is not None and getattr(self, "_example_input_array", None) is not None:
             self.lightning_module.example_input_array = self._example_input_array
         if self.lightning_module is not None:
-            GradientStep.release_schedulers(self.lightning_module)
+            OptimizerStep.release_schedulers(self.lightning_module)
         # Bucket all-reduces are in flight only if a step raised; they are not waited for here, since the peers may
         # never join them (a wait would then block until the collective timeout instead of letting the job end).
         if self._topology is not None:

@@ -43,6 +43,8 @@ class StepContext:
     outputs: list[Any] = field(default_factory=list)
     records: list[list[LogRecord]] = field(default_factory=list)
     """What the user's step logged, per micro-batch (last stage only)."""
+    loss_scale: float = 1.0
+    """Multiplies the loss the schedule differentiates: the fp16 loss scale over ``accumulate_grad_batches``."""
     weights: Optional[list[float]] = None
     """Each micro-batch's factor on its loss (default: loss scale / micro-batches; verify_pipeline keeps one)."""
     checks: Any = None

@@ -1,8 +1,8 @@
-"""One optimizer step's gradients, in order: reduce, unscale, agree on overflow, global norm, clip, step or skip,
-gather the parameters.
+"""The gradients of an optimizer step: the ZeRO wrappers of the optimizers, the reduction that makes the gradients
+the single-device ones, their global norm, the gathers for reading them, and what the rank holds.
 
-The strategy builds one :class:`GradientStep` per fit (after ``configure_optimizers``) and runs every optimizer step
-through it; the precision plugin is handed it for clipping by the global norm.
+The strategy builds one :class:`GradientStep` per fit (after ``configure_optimizers``); the step spine
+(``lightning_hybrid/optimizer_step.py``) calls it in the step's order.
 """
 
 from __future__ import annotations
@@ -28,18 +28,19 @@ if TYPE_CHECKING:
     from lightning_hybrid.config import ParallelLayout
     from lightning_hybrid.parallelize import Parallelized
 
-__all__ = ["GradientStep", "GradientStepHooks"]
+__all__ = ["GradientStep"]
 
 
 class GradientStep:
-    """The gradients of every optimizer step: made the single-device ones, unscaled, measured, clipped, stepped.
+    """The gradients of every optimizer step: made the single-device ones (:meth:`reduce`), measured (``norm``),
+    gathered for reading (:meth:`full_gradients`); the parameters gathered back after a step (``sharded``).
 
     Arguments:
         module: the parallelized LightningModule.
         optimizers: the strategy's optimizers (``LightningOptimizer`` or plain).
         mesh: the ``("pipeline", "data", "tensor")`` mesh.
         zero_stage: 0-3; below 3 each optimizer is wrapped in a :class:`ShardedOptimizer` (FSDP2 reduces ZeRO-3).
-        precision: the :class:`~lightning_hybrid.HybridPrecision` plugin (loss scale, master dtype, overflow flag).
+        master_dtype: the dtype of the master weights ZeRO-0/1/2 step (None: the parameters' own).
         device: this rank's device (the overflow flag's all-reduce runs there).
         gradient_sync: the tensor-parallel (and ZeRO-3 left-out) gradient sum of the parallelized model.
         tied_sync: the sum over pipeline stages of parameters several stages hold (None without such).
@@ -48,8 +49,8 @@ class GradientStep:
         offload: step the optimizers on the host with DeepSpeedCPUAdam (``offload_optimizer``).
 
     Example:
-        >>> # step = GradientStep(module, strategy.optimizers, mesh=mesh, zero_stage=1, precision=plugin, ...)
-        >>> # strategy.optimizer_step: step.run(optimizer, closure, run_optimizer)   # collective, all ranks
+        >>> # step = GradientStep(module, strategy.optimizers, mesh=mesh, zero_stage=1, master_dtype=None, ...)
+        >>> # after the step's last backward: step.reduce(step.sharded_for(optimizer))   # collective, all ranks
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class GradientStep:
         *,
         mesh: DeviceMesh,
         zero_stage: int,
-        precision: Any,
+        master_dtype: Optional[torch.dtype],
         device: torch.device,
         gradient_sync: Optional[GradientSync],
         tied_sync: Optional[Callable[[], None]],
@@ -67,7 +68,7 @@ class GradientStep:
         bucket_cap_mb: Optional[float],
         offload: bool,
     ) -> None:
-        self.module, self.optimizers, self.precision, self.device = module, optimizers, precision, device
+        self.module, self.optimizers, self.device = module, optimizers, device
         self.gradient_sync, self.tied_sync = gradient_sync, tied_sync
         self.sharded: list[ShardedOptimizer] = (
             [
@@ -75,7 +76,7 @@ class GradientStep:
                     unwrap_optimizer(opt),
                     stage=zero_stage,
                     dp_mesh=mesh["data"],
-                    master_dtype=precision.master_dtype,
+                    master_dtype=master_dtype,
                     bucket_cap_mb=bucket_cap_mb,
                     tensor_sync=gradient_sync,  # ZeRO-2 buckets apply it per bucket, before reducing
                     parameter_order=list(module.parameters()),  # reversed: the order of backward
@@ -94,9 +95,6 @@ class GradientStep:
             self.offloads = attach_offload(
                 [unwrap_optimizer(o) for o in optimizers], [self.sharded_for(o) for o in optimizers]
             )
-        self.last_norm: Optional[float] = None
-        """The global gradient norm before clipping at the last optimizer step (None if not taken or overflowed)."""
-        self._step_norm: Optional[float] = None
         self.model_state_bytes: dict[str, int] = {}
         """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
         self._model_state_settled = False
@@ -126,7 +124,7 @@ class GradientStep:
             optimizers,
             mesh=mesh,
             zero_stage=layout.zero_stage,
-            precision=precision,
+            master_dtype=precision.master_dtype,
             device=device,
             gradient_sync=parallelized.gradient_sync,
             tied_sync=parallelized.tied_sync,
@@ -146,51 +144,9 @@ class GradientStep:
         raw = unwrap_optimizer(optimizer)
         return next((z for z in self.sharded if z.optimizer is raw), None)
 
-    # ------------------------------------------------------------------ the step
-    def run(
-        self,
-        optimizer: Any,
-        closure: Callable[[], Any],
-        step: Callable[[Callable[[], Any]], Any],
-        *,
-        backward_sync_blocked: bool,
-        track_norm: bool,
-    ) -> Any:
-        """One optimizer step: ``step(closure_then_reduce)`` is Lightning's (precision plugin's) optimizer step,
-        skipped on every rank if any rank's gradients overflowed; afterwards the parameters are gathered (ZeRO)."""
-        sharded = self.sharded_for(optimizer)
-        plugin = self.precision
-
-        def closure_then_reduce() -> Any:
-            # order on the gradients the optimizer steps on: reduce, unscale (fp16), agree on overflow world-wide,
-            # global norm; Lightning's hooks and clipping follow, then the step (skipped on every rank on overflow)
-            buckets = sharded.buckets if sharded is not None else None
-            if buckets is not None and not backward_sync_blocked:
-                buckets.arm()  # this closure's backward pass is the step's last: reduce buckets as it goes
-            result = closure()
-            self.reduce(sharded)
-            found_inf = plugin.scaler is not None and plugin.unscale_gradients_(self.norm.gradients(), self.device)
-            # one pass over the gradients and a scalar all-reduce: only when asked (clipping takes it anyway)
-            tracked = track_norm and not found_inf
-            self.last_norm = self._step_norm = self.norm.total() if tracked else None
-            return result
-
-        try:
-            output = step(closure_then_reduce)
-        finally:
-            self._step_norm = None
-        self._measure_model_state()
-        if plugin.found_inf:
-            # weights and optimizer state stay as they were; the overflowed gradients go
-            if sharded is not None:
-                sharded.discard_gradients()
-            for p in self.module.parameters():
-                p.grad = None
-        elif sharded is not None:
-            sharded.gather_parameters()
-        return output
-
-    def _measure_model_state(self) -> None:
+    def measure_model_state(self, found_inf: bool) -> None:
+        """``model_state_bytes`` after an optimizer step (``found_inf``: skipped for overflow, so state may be missing);
+        measured until the sizes settle."""
         if self._model_state_settled:
             return
         # sizes settle once every state tensor exists (after the first real step): stop measuring then
@@ -199,7 +155,7 @@ class GradientStep:
             from lightning_hybrid.sharding.offload import offload_ledger
 
             measured = offload_ledger(measured, self.offloads)
-        self._model_state_settled = measured == self.model_state_bytes and not self.precision.found_inf
+        self._model_state_settled = measured == self.model_state_bytes and not found_inf
         self.model_state_bytes = measured
 
     def reduce(self, sharded: Optional[ShardedOptimizer] = None) -> None:
@@ -222,35 +178,6 @@ class GradientStep:
         if sharded is not None and not bucketed:
             sharded.reduce_gradients()
 
-    def clip_(self, max_norm: float) -> float:
-        """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
-        device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
-        # inside a step the norm was just taken (after the reduction and unscaling): clipping reuses it
-        self.last_norm = self.norm.clip_(max_norm, norm=self._step_norm)
-        return self.last_norm
-
-    def hold_schedulers_on_skipped_steps(self, trainer: pl.Trainer) -> None:
-        """A step skipped for gradient overflow must not advance per-step LR schedulers (as in Megatron). Lightning
-        steps them through the module's ``lr_scheduler_step`` hook after every optimizer step, so the hook is
-        wrapped (on this module instance, until :meth:`release_schedulers`) to pass over them after a skipped step."""
-        if self.precision.scaler is None or not trainer.lr_scheduler_configs:
-            return
-        per_step = {id(c.scheduler) for c in trainer.lr_scheduler_configs if c.interval == "step"}
-        hook = self.module.lr_scheduler_step
-        plugin = self.precision
-
-        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-            if plugin.found_inf and id(scheduler) in per_step:
-                return
-            hook(scheduler, metric)
-
-        self.module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
-
-    @staticmethod
-    def release_schedulers(module: nn.Module) -> None:
-        """Undo :meth:`hold_schedulers_on_skipped_steps` (at teardown)."""
-        module.__dict__.pop("lr_scheduler_step", None)
-
     # ------------------------------------------------------------------ reading the gradients
     def full_gradients(self) -> dict[str, Tensor]:
         """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
@@ -272,59 +199,3 @@ class GradientStep:
         """Per optimizer, per gradient bucket: parameters, bytes, all-reduces started and how many of them started
         during backward (empty lists where the gradients are not bucketed)."""
         return [z.buckets.stats() if z.buckets is not None else [] for z in self.sharded]
-
-
-class GradientStepHooks:
-    """The gradient half of :class:`~lightning_hybrid.HybridStrategy`'s public API, as a mixin: each member reads
-    the strategy's :class:`GradientStep` (``_gradient_step``, built by ``setup_optimizers``).
-
-    Example:
-        >>> from lightning_hybrid import HybridStrategy
-        >>> HybridStrategy(zero_stage=1).last_gradient_norm is None  # no optimizer step yet
-        True
-    """
-
-    _gradient_step: Optional[GradientStep]
-
-    def _require_step(self) -> GradientStep:
-        assert self._gradient_step is not None, "set up the optimizers first"
-        return self._gradient_step
-
-    @property
-    def gradient_buckets(self) -> list[list[dict[str, int]]]:
-        """Per optimizer, per gradient bucket (``overlap_grad_reduce``): parameters, bytes, all-reduces started and
-        how many of them started during backward (empty lists where the gradients are not bucketed)."""
-        return self._gradient_step.bucket_stats() if self._gradient_step is not None else []
-
-    @property
-    def last_gradient_norm(self) -> Optional[float]:
-        """The global gradient norm before clipping at the last optimizer step (None if it overflowed)."""
-        return self._gradient_step.last_norm if self._gradient_step is not None else None
-
-    @property
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
-        return self._gradient_step.model_state_bytes if self._gradient_step is not None else {}
-
-    @property
-    def sharded_optimizers(self) -> list[ShardedOptimizer]:
-        """The ZeRO-0/1/2 wrappers of the optimizers (none at ZeRO-3 or before the optimizers are set up)."""
-        return self._gradient_step.sharded if self._gradient_step is not None else []
-
-    def _sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
-        return self._gradient_step.sharded_for(optimizer) if self._gradient_step is not None else None
-
-    def clip_gradients_by_global_norm(self, max_norm: float) -> float:
-        """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
-        device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
-        return self._require_step().clip_(max_norm)
-
-    def reduce_gradients(self, sharded: Optional[ShardedOptimizer] = None) -> None:
-        """Make gradients the single-device ones: tensor-parallel replicas first, then data-parallel (ZeRO) reduction.
-        Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself)."""
-        self._require_step().reduce(sharded)
-
-    def full_gradients(self) -> dict[str, Tensor]:
-        """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
-        on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
-        return self._require_step().full_gradients()
