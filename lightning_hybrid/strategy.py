@@ -29,7 +29,7 @@ import lightning_hybrid.topology as topology
 from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
-from lightning_hybrid.checkpoint.strategy_io import CheckpointHooks
+from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints
 from lightning_hybrid.config import ParallelLayout, StrategyOptions
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import skip_finished_batches
@@ -68,7 +68,7 @@ def _module_step(name: str) -> Callable[..., Any]:
     return step
 
 
-class HybridStrategy(CheckpointHooks, ParallelStrategy):
+class HybridStrategy(ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
     The arguments are flat (as LightningCLI/YAML give them); the constructor checks them into typed sections
@@ -172,8 +172,8 @@ class HybridStrategy(CheckpointHooks, ParallelStrategy):
         super().__init__(**kwargs)
         self._options = StrategyOptions.from_arguments(**arguments)
         check_monitor(monitor)
-        self._checkpoint_options = self._options.checkpoint  # read by CheckpointHooks
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=async_checkpoint)
+        self._checkpoints = StrategyCheckpoints(self, self._options.checkpoint, self._checkpoint_writer)
         self._timeout = resolve_timeout(timeout)
         self.track_gradient_norm = track_gradient_norm
         """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor has it taken on its
@@ -212,7 +212,7 @@ class HybridStrategy(CheckpointHooks, ParallelStrategy):
         return self._topology.mesh
 
     @property
-    def _data_group(self) -> Any:  # the data-parallel group (CheckpointHooks reads it too)
+    def _data_group(self) -> Any:  # the data-parallel group (StrategyCheckpoints reads it too)
         return self._topology.data_group if self._topology is not None else None
 
     @property
@@ -444,6 +444,53 @@ class HybridStrategy(CheckpointHooks, ParallelStrategy):
         """This rank's :class:`~lightning_hybrid.pipeline.runner.StepTimeline` of the last pipeline step (None
         without pipeline parallel): per micro-batch forward/backward timings and the measured bubble fraction."""
         return self._pipeline.timeline if self._pipeline is not None else None
+
+    # ------------------------------------------------------------------ checkpoints (checkpoint/strategy_io.py)
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # shards load in place into the parallelized model and the (ZeRO-wrapped) optimizers
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state with DTensors left sharded: every rank saves only its own shards."""
+        return self._checkpoints.module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state. Collective under ZeRO-1/2 (each parameter's state is written by
+        one replica): Lightning calls it on all ranks."""
+        return self._checkpoints.optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` (Lightning's dict) as a sharded checkpoint directory at ``filepath`` (all ranks)."""
+        self._checkpoints.save(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Drop an older checkpoint; with async saves, once the newer one is committed."""
+        self._checkpoints.remove(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a checkpoint in place into the parallelized model and optimizers; returns the rest of Lightning's
+        dict (a DeepSpeed checkpoint is converted first)."""
+        return self._checkpoints.load(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in place by load_checkpoint
 
     # ------------------------------------------------------------------ collectives
     @override
