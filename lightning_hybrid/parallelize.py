@@ -103,9 +103,6 @@ class Parallelized:
         assert verifier is not None
         if not getattr(module, "automatic_optimization", True):
             return  # a manual step calls the optimizers itself: running it twice would step them twice
-        # only the tensor-parallel sums: the ZeRO reduction keeps state of its own (fp32 accumulators, buckets) that
-        # the check's dropped gradients must not reach
-        verifier.sync = self.gradient_sync
         network = module.get_submodule(self.structure.network_name or "")
         verify_first_step(verifier, module, network, mode, args, kwargs)
 
@@ -186,7 +183,7 @@ def parallelize(
     # 4b. compile each block, after tensor parallel and checkpointing, before ZeRO-3 wraps it (as torchtitan does)
     if options.compile:
         compile_blocks(module, held_blocks)
-    # 5. ZeRO-3: FSDP2 (ZeRO-1/2 wrap the optimizers instead: sharding/step.py)
+    # 5. ZeRO-3: FSDP2 (ZeRO-1/2 wrap the optimizers instead: sharding/gradient_step.py)
     dp_replicated = _fully_shard(module, structure, layout, mesh, precision, held_blocks, cut)
     # 6. the pipeline runner, and the sums of parameters several stages hold
     runner, shared, verifier = None, None, tp_verifier

@@ -1,13 +1,13 @@
 """HybridStrategy: the Lightning glue that composes the mesh, tensor parallel, the pipeline and ZeRO.
 
 The logic lives in the per-concern modules (docs/architecture.md): the arguments' checks in ``config.py``, processes
-and mesh in ``topology.py``, model surgery in ``parallelize.py``, the gradient step in ``sharding/step.py``,
-checkpoint I/O in ``checkpoint/``; this class only decides *when* each runs in Lightning's loop.
+and mesh in ``topology.py``, model surgery in ``parallelize.py``, the order of a training step in
+``optimizer_step.py`` (the step spine), checkpoint I/O in ``checkpoint/``; this class only decides *when* each runs in
+Lightning's loop.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
@@ -29,20 +29,22 @@ import lightning_hybrid.topology as topology
 from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
-from lightning_hybrid.checkpoint.strategy_io import CheckpointHooks
+from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints
 from lightning_hybrid.config import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout, StrategyOptions
+from lightning_hybrid.module_step import loss_context, run_step
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
+from lightning_hybrid.optimizer_step import OptimizerStep
 from lightning_hybrid.parallelize import ModelOptions, Parallelized, parallelize
 from lightning_hybrid.pipeline import PipelineRunner
 from lightning_hybrid.planning.auto import resolve_layout
 from lightning_hybrid.precision import HybridPrecision, check_supported
-from lightning_hybrid.sharding.step import GradientStep, GradientStepHooks
-from lightning_hybrid.steps import loss_context, run_step
+from lightning_hybrid.sharding.gradient_step import GradientStep
+from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, resolve_timeout
 
 if TYPE_CHECKING:
@@ -57,7 +59,7 @@ _OPTION_ARGUMENTS = frozenset(inspect.signature(StrategyOptions.from_arguments).
 
 def _module_step(name: str) -> Callable[..., Any]:
     """The strategy's hook ``name`` (``training_step``, ...): the module's step, run by
-    :func:`~lightning_hybrid.steps.run_step`."""
+    :func:`~lightning_hybrid.module_step.run_step`."""
 
     def step(self: HybridStrategy, *args: Any, **kwargs: Any) -> Any:
         module, data_group = self.lightning_module, self._data_group
@@ -67,7 +69,7 @@ def _module_step(name: str) -> Callable[..., Any]:
     return step
 
 
-class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
+class HybridStrategy(ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
     Each option is given flat (``pipeline_schedule="gpipe"``, as LightningCLI/YAML give them) or in its typed section
@@ -105,7 +107,8 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         overlap_grad_reduce: reduce gradients in buckets during backward (ZeRO-0/2 without pipeline parallel).
         bucket_cap_mb: size of those buckets in MiB (DDP's ``bucket_cap_mb``).
         track_gradient_norm: take the global gradient norm (before clipping) every step into
-            ``strategy.last_gradient_norm``; :class:`~lightning_hybrid.HybridMonitor` sets it every batch.
+            ``strategy.last_gradient_norm``; :class:`~lightning_hybrid.HybridMonitor` has it taken on its logging
+            steps.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
         timeout: how long a collective waits for a rank that does not come (``timedelta`` or seconds; default 10
             minutes); a stuck rank then ends the job and every rank says which rank is stuck (docs/reliability.md).
@@ -210,11 +213,12 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         super().__init__(**kwargs)
         self._options = StrategyOptions.from_arguments(**arguments)
         check_monitor(monitor)
-        self._checkpoint_options = self._options.checkpoint  # read by CheckpointHooks
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=self._options.checkpoint.async_checkpoint)
+        self._checkpoints = StrategyCheckpoints(self, self._options.checkpoint, self._checkpoint_writer)
         self._timeout = resolve_timeout(timeout)
         self.track_gradient_norm = track_gradient_norm
-        """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor sets it every batch."""
+        """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor has it taken on its
+        logging steps anyway."""
         self._topology: Optional[topology.Topology] = None
         self.parallelized: Optional[Parallelized] = None
         """What :func:`~lightning_hybrid.parallelize.parallelize` returned for the module (None before set-up)."""
@@ -222,7 +226,8 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         self.pretrained: Optional[LoadReport] = None
         """What was loaded from ``pretrained_weights`` on this rank (None without them, or before set-up)."""
         self._pipeline: Optional[PipelineRunner] = None
-        self._gradient_step: Optional[GradientStep] = None
+        self._optimizer_step: Optional[OptimizerStep] = None
+        self._monitors: list[HybridMonitor] = []  # they ask for the gradient norm on their logging steps
         self._backward_sync_blocked = False
         self._deferred = DeferredConstruction()
         self.num_nodes = 1
@@ -248,7 +253,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         return self._topology.mesh
 
     @property
-    def _data_group(self) -> Any:  # the data-parallel group (CheckpointHooks reads it too)
+    def _data_group(self) -> Any:  # the data-parallel group (StrategyCheckpoints reads it too)
         return self._topology.data_group if self._topology is not None else None
 
     @property
@@ -347,25 +352,31 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
             # masters) are made from them; a later ckpt_path resume overwrites them (checkpoint/pretrained.py)
             self.pretrained = load_pretrained_weights(module, pretrained, self.parallelized)
             self._pipeline, self._parallelized_module = self.parallelized.runner, module
-            if self.parallelized.verifier is not None:  # within a replica: tensor-parallel and shared sums
-                self.parallelized.verifier.sync = self.reduce_gradients
+            verifier = self.parallelized.verifier
+            if verifier is not None:
+                # the check's gradients are summed within a replica: over the stages' tied weights and tensor-parallel
+                # replicas (verify_pipeline), or the tensor-parallel sums only, since ZeRO's reduction keeps state of
+                # its own that the check's dropped gradients must not reach (verify_tensor_parallel)
+                pipelined = self._pipeline is not None
+                verifier.sync = self.reduce_gradients if pipelined else self.parallelized.gradient_sync
             sync_metrics_over(module, self._data_group)  # torchmetrics: reduce over replicas only
         # Lightning's model summary runs example_input_array through the model on rank 0 alone: a split model's
         # forward is a collective (TP/ZeRO-3) or needs other stages, so it would hang or fail. Hidden until teardown.
         self._example_input_array, module.example_input_array = module.example_input_array, None
         self.model_to_device()
         self.barrier()
+        self._monitors = [c for c in trainer.callbacks if isinstance(c, HybridMonitor)]
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._gradient_step.hold_schedulers_on_skipped_steps(trainer)
+            self._require_optimizer_step().hold_schedulers_on_skipped_steps(trainer)
         self.setup_precision_plugin()
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self._gradient_step is not None:  # a second fit on the same strategy: the old buckets stop listening
-            self._gradient_step.close()
-        self._gradient_step = GradientStep.for_layout(
+        if self._optimizer_step is not None:  # a second fit on the same strategy: the old buckets stop listening
+            self._optimizer_step.gradients.close()
+        gradients = GradientStep.for_layout(
             self.lightning_module,
             self.optimizers,
             self.layout,
@@ -374,7 +385,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
             self.precision_plugin,
             self.root_device,
         )
-        self.precision_plugin.use_gradient_step(self._gradient_step)
+        self._optimizer_step = OptimizerStep(gradients, self.precision_plugin)
 
     @override
     def model_to_device(self) -> None:
@@ -385,7 +396,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         return skip_finished_batches(dataloader, self.lightning_module.trainer)  # a mid-epoch resume (data.py)
 
-    # ------------------------------------------------------------------ steps (steps.py)
+    # ------------------------------------------------------------------ steps (module_step.py)
     training_step = _module_step("training_step")
     validation_step = _module_step("validation_step")
     test_step = _module_step("test_step")
@@ -413,16 +424,114 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        assert self._gradient_step is not None, "set up the optimizers first"
-        step = functools.partial(super().optimizer_step, optimizer, model=model, **kwargs)
-        blocked, tracked = self._backward_sync_blocked, self.track_gradient_norm
-        return self._gradient_step.run(optimizer, closure, step, backward_sync_blocked=blocked, track_norm=tracked)
+        """One training step's gradients and update, in order (``optimizer_step.py``, the step spine)."""
+        blocked = self._backward_sync_blocked
+        tracked = self.track_gradient_norm or any(m.wants_gradient_norm for m in self._monitors)
+        return self._require_optimizer_step().run(
+            optimizer,
+            closure,
+            model or self.lightning_module,
+            backward_sync_blocked=blocked,
+            track_norm=tracked,
+            **kwargs,
+        )
+
+    def _require_optimizer_step(self) -> OptimizerStep:
+        assert self._optimizer_step is not None, "set up the optimizers first"
+        return self._optimizer_step
+
+    # ------------------------------------------------------------------ gradients (optimizer_step.py, sharding/)
+    @property
+    def gradient_buckets(self) -> list[list[dict[str, int]]]:
+        """Per optimizer, per gradient bucket (``overlap_grad_reduce``): parameters, bytes, all-reduces started and
+        how many of them started during backward (empty lists where the gradients are not bucketed)."""
+        return self._optimizer_step.gradients.bucket_stats() if self._optimizer_step is not None else []
+
+    @property
+    def last_gradient_norm(self) -> Optional[float]:
+        """The global gradient norm before clipping at the last optimizer step (None if it overflowed)."""
+        return self._optimizer_step.last.norm if self._optimizer_step is not None else None
+
+    @property
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
+        return self._optimizer_step.gradients.model_state_bytes if self._optimizer_step is not None else {}
+
+    @property
+    def sharded_optimizers(self) -> list[ShardedOptimizer]:
+        """The ZeRO-0/1/2 wrappers of the optimizers (none at ZeRO-3 or before the optimizers are set up)."""
+        return self._optimizer_step.gradients.sharded if self._optimizer_step is not None else []
+
+    def _sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
+        return self._optimizer_step.gradients.sharded_for(optimizer) if self._optimizer_step is not None else None
+
+    def clip_gradients_by_global_norm(self, max_norm: float) -> float:
+        """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
+        device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
+        return self._require_optimizer_step().clip(max_norm)
+
+    def reduce_gradients(self, sharded: Optional[ShardedOptimizer] = None) -> None:
+        """Make gradients the single-device ones: tensor-parallel replicas first, then data-parallel (ZeRO) reduction.
+        Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself)."""
+        self._require_optimizer_step().gradients.reduce(sharded)
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
+        on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
+        return self._require_optimizer_step().gradients.full_gradients()
 
     @property
     def pipeline_timeline(self) -> Any:
         """This rank's :class:`~lightning_hybrid.pipeline.runner.StepTimeline` of the last pipeline step (None
         without pipeline parallel): per micro-batch forward/backward timings and the measured bubble fraction."""
         return self._pipeline.timeline if self._pipeline is not None else None
+
+    # ------------------------------------------------------------------ checkpoints (checkpoint/strategy_io.py)
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # shards load in place into the parallelized model and the (ZeRO-wrapped) optimizers
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state with DTensors left sharded: every rank saves only its own shards."""
+        return self._checkpoints.module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state. Collective under ZeRO-1/2 (each parameter's state is written by
+        one replica): Lightning calls it on all ranks."""
+        return self._checkpoints.optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` (Lightning's dict) as a sharded checkpoint directory at ``filepath`` (all ranks)."""
+        self._checkpoints.save(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Drop an older checkpoint; with async saves, once the newer one is committed."""
+        self._checkpoints.remove(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a checkpoint in place into the parallelized model and optimizers; returns the rest of Lightning's
+        dict (a DeepSpeed checkpoint is converted first)."""
+        return self._checkpoints.load(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in place by load_checkpoint
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -447,7 +556,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         if self.lightning_module is not None and getattr(self, "_example_input_array", None) is not None:
             self.lightning_module.example_input_array = self._example_input_array
         if self.lightning_module is not None:
-            GradientStep.release_schedulers(self.lightning_module)
+            OptimizerStep.release_schedulers(self.lightning_module)
         # Bucket all-reduces are in flight only if a step raised; they are not waited for here, since the peers may
         # never join them (a wait would then block until the collective timeout instead of letting the job end).
         if self._topology is not None:

@@ -97,8 +97,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what everything may use: errors and the layout as data, DTensor helpers, forward hooks, errors every rank
     # raises together, the compat modules (every private torch and Lightning name), the c10d interception and groups
     ("leaves", (
-        "lightning_hybrid._version", "lightning_hybrid.config", "lightning_hybrid.layout", "lightning_hybrid.pipeline_schedules",
-        "lightning_hybrid.dtensor", "lightning_hybrid._hooks", "lightning_hybrid.agreement",
+        "lightning_hybrid._version", "lightning_hybrid.config", "lightning_hybrid.layout",
+        "lightning_hybrid.pipeline_schedules", "lightning_hybrid.dtensor", "lightning_hybrid._hooks", "lightning_hybrid.agreement",
         "lightning_hybrid._torch_compat", "lightning_hybrid._lightning_compat", "lightning_hybrid.c10d_interception",
         "lightning_hybrid.process_groups",
     )),
@@ -120,7 +120,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     # the model made parallel, and the step: what the strategy composes
     ("parallelize and the step spine", (
-        "lightning_hybrid.parallelize", "lightning_hybrid.steps", "lightning_hybrid.sharding.step",
+        "lightning_hybrid.parallelize", "lightning_hybrid.module_step", "lightning_hybrid.sharding.gradient_step",
+        "lightning_hybrid.optimizer_step",
     )),
     ("strategy and CLI", (
         "lightning_hybrid", "lightning_hybrid.strategy", "lightning_hybrid.cli", "lightning_hybrid.__main__",

@@ -377,7 +377,7 @@ def test_a_section_is_checked_as_its_flat_arguments_are():
 
 def test_the_checkpoint_section_reaches_the_writer():
     strategy = HybridStrategy(checkpoint=CheckpointOptions(async_checkpoint=True, verify=False))
-    assert strategy._checkpoint_writer.asynchronous and strategy._checkpoint_options.verify is False
+    assert strategy._checkpoint_writer.asynchronous and strategy._checkpoints.options.verify is False
 
 
 def test_the_constructor_examples_run():

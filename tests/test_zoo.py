@@ -192,7 +192,7 @@ def test_a_later_stage_reads_the_attributes_of_what_other_stages_hold() -> None:
     """Before: ``'InputStub' object has no attribute 'projection'`` (HF ViT), ``'SkippedBlock' object has no
     attribute 'self_attn'`` (torch's nn.TransformerEncoder), and a stub shaped like its input, not its output."""
     from lightning_hybrid.pipeline import partition_blocks, split_network
-    from lightning_hybrid.pipeline.step import StepContext
+    from lightning_hybrid.pipeline.step_data import StepContext
 
     torch.manual_seed(0)
     net = _ReadsAttributes()

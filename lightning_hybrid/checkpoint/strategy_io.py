@@ -1,4 +1,5 @@
-"""HybridStrategy's checkpoint hooks (Lightning's ``Strategy`` checkpoint API), as a mixin the strategy inherits.
+"""HybridStrategy's checkpoint hooks (Lightning's ``Strategy`` checkpoint API): an object the strategy owns and
+delegates those hooks to.
 
 Every rank saves and loads only its own shards (``torch.distributed.checkpoint``); the model and the (ZeRO-wrapped)
 optimizers load in place, after set-up.
@@ -17,120 +18,126 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._lightning_compat import unwrap_optimizer
 from lightning_hybrid.checkpoint.format import read_meta
-from lightning_hybrid.checkpoint.io import LAYOUT_KEY, VERSIONS_KEY, checkpoint_to_load, load_sharded
+from lightning_hybrid.checkpoint.io import (
+    LAYOUT_KEY,
+    VERSIONS_KEY,
+    ShardedCheckpointWriter,
+    checkpoint_to_load,
+    load_sharded,
+)
+from lightning_hybrid.config import CheckpointOptions
 
-__all__ = ["CheckpointHooks"]
+__all__ = ["StrategyCheckpoints"]
 
 
-class CheckpointHooks:
-    """The checkpoint half of :class:`~lightning_hybrid.HybridStrategy` (placed before Lightning's ``Strategy`` in
-    its bases, so these override Lightning's). It reads the strategy's ``_checkpoint_writer``,
-    ``_checkpoint_options``, ``parallelized``, ``layout`` and ``_data_group``.
+class StrategyCheckpoints:
+    """The checkpoint half of :class:`~lightning_hybrid.HybridStrategy`: its checkpoint hooks delegate here. Reads
+    the strategy's module, optimizers, ``parallelized``, ``layout``, data-parallel group and collectives.
+
+    Arguments:
+        strategy: the :class:`~lightning_hybrid.HybridStrategy` that owns this (not named in the type: the strategy
+            sits above the checkpoint modules in the package's layers).
+        options: its checkpoint options (``checkpoint_verify``, ...).
+        writer: its checkpoint writer (``async_checkpoint``).
 
     Example:
         >>> from lightning_hybrid import HybridStrategy
-        >>> issubclass(HybridStrategy, CheckpointHooks)
+        >>> isinstance(HybridStrategy()._checkpoints, StrategyCheckpoints)
         True
     """
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # shards load in place into the parallelized model and the (ZeRO-wrapped) optimizers
-        return True
+    def __init__(self, strategy: Any, options: CheckpointOptions, writer: ShardedCheckpointWriter) -> None:
+        self.strategy, self.options, self.writer = strategy, options, writer
 
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def module_state_dict(self) -> dict[str, Any]:
         """The module's state with DTensors left sharded: every rank saves only its own shards."""
-        module = self.lightning_module
+        strategy = self.strategy
+        module = strategy.lightning_module
         state = module.state_dict()
-        shared = self.parallelized.shared if self.parallelized is not None else None
+        shared = strategy.parallelized.shared if strategy.parallelized is not None else None
         if shared is not None:  # entries another pipeline stage owns (and writes) under the same name
             state = {k: v for k, v in state.items() if k not in shared.not_owned}
-        return _first_replica_buffers(module, state, self._data_group)
+        return _first_replica_buffers(module, state, strategy._data_group)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's part of ``optimizer``'s state. Collective under ZeRO-1/2 (each parameter's state is written by
         one replica): Lightning calls it on all ranks."""
         from lightning_hybrid.checkpoint.optimizer import optimizer_state as sharded_optimizer_state
 
+        strategy = self.strategy
         raw = unwrap_optimizer(optimizer)
-        shared = self.parallelized.shared if self.parallelized is not None else None
+        shared = strategy.parallelized.shared if strategy.parallelized is not None else None
         skip = shared.not_owned if shared is not None else ()
-        return sharded_optimizer_state(self.lightning_module, raw, self._sharded_for(raw), skip)
+        return sharded_optimizer_state(strategy.lightning_module, raw, strategy._sharded_for(raw), skip)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` (Lightning's dict) as a sharded checkpoint directory at ``filepath`` (all ranks)."""
         import lightning
 
         from lightning_hybrid.checkpoint.consolidate import HUGGING_FACE_KEY, hugging_face_info
 
+        strategy = self.strategy
         if storage_options is not None:
-            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
-        path = Path(self.broadcast(str(filepath)))
+            raise TypeError(f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        path = Path(strategy.broadcast(str(filepath)))
         model = checkpoint.pop("state_dict")
         optimizer_states = checkpoint.pop("optimizer_states", [])
-        checkpoint[LAYOUT_KEY] = self.layout.as_dict()
+        checkpoint[LAYOUT_KEY] = strategy.layout.as_dict()
         # str(): torch.__version__ is a TorchVersion, which meta.pt's weights_only load would refuse
         checkpoint[VERSIONS_KEY] = {"torch": str(torch.__version__), "lightning": lightning.__version__}
-        hugging_face = hugging_face_info(self.lightning_module)  # lets `consolidate` write a from_pretrained folder
+        hugging_face = hugging_face_info(strategy.lightning_module)  # lets `consolidate` write a from_pretrained folder
         if hugging_face is not None:
             checkpoint[HUGGING_FACE_KEY] = hugging_face
-        self._checkpoint_writer.save(path, model, optimizer_states, checkpoint, is_rank_zero=self.is_global_zero)
+        self.writer.save(path, model, optimizer_states, checkpoint, is_rank_zero=strategy.is_global_zero)
 
-    def remove_checkpoint(self, filepath: Any) -> None:
+    def remove(self, filepath: Any) -> None:
         """``ModelCheckpoint(save_top_k=...)`` drops an older checkpoint when it starts a newer save: with async saves
         the deletion waits until the newer one is committed, so a complete checkpoint is always on disk."""
-        if self.is_global_zero:
-            self._checkpoint_writer.remove(Path(filepath))
+        if self.strategy.is_global_zero:
+            self.writer.remove(Path(filepath))
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a checkpoint in place into the parallelized model and optimizers; returns the rest of Lightning's
         dict. A DeepSpeed checkpoint is converted to this format first (one process per node), then loaded as usual."""
         from lightning_hybrid.checkpoint.deepspeed import imported
 
-        self._checkpoint_writer.wait()
-        path = Path(self.broadcast(str(checkpoint_path)))
-        names = list(self.lightning_module.state_dict())
-        token = f"{self.broadcast(f'{os.getpid()}-{time.time_ns()}')}-node{self.node_rank}"
-        converts = self.local_rank == 0
-        with imported(path, names, converts=converts, barrier=self.barrier, token=token) as path:
+        strategy = self.strategy
+        self.writer.wait()
+        path = Path(strategy.broadcast(str(checkpoint_path)))
+        names = list(strategy.lightning_module.state_dict())
+        token = f"{strategy.broadcast(f'{os.getpid()}-{time.time_ns()}')}-node{strategy.node_rank}"
+        converts = strategy.local_rank == 0
+        with imported(path, names, converts=converts, barrier=strategy.barrier, token=token) as path:
             return self._load_hybrid_checkpoint(path, weights_only)
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in place by load_checkpoint
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded in place by load_checkpoint
 
     def _load_hybrid_checkpoint(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-        module = self.lightning_module
-        verify = self._checkpoint_options.verify
+        strategy = self.strategy
+        module = strategy.lightning_module
+        verify = self.options.verify
         # ckpt_path="last" goes past a checkpoint that fails its integrity check (the files are then verified)
         path, verified = checkpoint_to_load(path, module.trainer, verify=verify)
-        optimizers = [unwrap_optimizer(o) for o in self.optimizers]
-        structure = self.parallelized.structure if self.parallelized is not None else None
+        optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
+        structure = strategy.parallelized.structure if strategy.parallelized is not None else None
         tied = structure.tied_parameters if structure is not None else []
         aliases = {**dict(tied), **{b: a for a, b in tied}}
         meta = load_sharded(
             path,
             module,
             optimizers,
-            [self._sharded_for(o) for o in optimizers],
+            [strategy._sharded_for(o) for o in optimizers],
             aliases=aliases,
             strict=module.strict_loading,
             weights_only=weights_only,
             verify=verify and not verified,
         )
         saved_dp = read_meta(path, weights_only=weights_only).get(LAYOUT_KEY, {}).get("data_parallel_size")
-        if saved_dp is not None and saved_dp != self.layout.data_parallel_size:
+        data_parallel_size = strategy.layout.data_parallel_size
+        if saved_dp is not None and saved_dp != data_parallel_size:
             rank_zero_warn(
                 f"Checkpoint {path} was saved with data_parallel_size={saved_dp}, this run has"
-                f" {self.layout.data_parallel_size}: model and optimizer state are resharded exactly; a mid-epoch data"
+                f" {data_parallel_size}: model and optimizer state are resharded exactly; a mid-epoch data"
                 " position is restored by skipping the epoch's finished batches, which repeats or skips no sample only"
                 " if the global batch (batch_size x data_parallel_size) is the same as when it was saved."
             )

@@ -120,7 +120,9 @@ class HybridMonitor(L.Callback):
         self._skipped: deque[int] = deque(maxlen=loss_spike_window + 1)
         self._last_batch_end: Optional[float] = None
         self._last_step = 0
-        self._user_tracks_norm = False
+        self.wants_gradient_norm = False
+        """Whether the current batch is a logging step, whose global gradient norm ``HybridStrategy`` then takes
+        (a pass over the gradients and an all-reduce: on logging steps only)."""
         self._tokens_per_sample = 1.0
         self._num_parameters = 0
         self._config_logged = False
@@ -131,7 +133,6 @@ class HybridMonitor(L.Callback):
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         use_offline_wandb_without_credentials(trainer.loggers)
-        self._user_tracks_norm = bool(getattr(trainer.strategy, "track_gradient_norm", False))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the whole model's parameter count: a collective over the pipeline dimension, so here, on every rank
@@ -147,9 +148,7 @@ class HybridMonitor(L.Callback):
         if self._last_batch_end is None:
             self._last_batch_end = time.perf_counter()
         logging_step = (trainer.global_step + 1) % self._every(trainer) == 0
-        if hasattr(trainer.strategy, "track_gradient_norm"):
-            # the global norm costs a pass over the gradients and an all-reduce: taken on logging steps only
-            trainer.strategy.track_gradient_norm = logging_step or self._user_tracks_norm
+        self.wants_gradient_norm = logging_step
         if self.measure_communication and self._meter is None and logging_step:
             mesh = _mesh(trainer)
             tensor_parallel = mesh is not None and mesh["tensor"].size() > 1

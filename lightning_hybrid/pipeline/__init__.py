@@ -5,7 +5,7 @@ from lightning_hybrid.pipeline.microbatch import merge_microbatches, split_batch
 from lightning_hybrid.pipeline.partition import StagePlan, partition_blocks
 from lightning_hybrid.pipeline.runner import PipelineRunner
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageModule, split_network
-from lightning_hybrid.pipeline.step import StepContext, StepResults
+from lightning_hybrid.pipeline.step_data import StepContext, StepResults
 from lightning_hybrid.pipeline_schedules import SCHEDULES
 
 __all__ = [

@@ -6,7 +6,7 @@ the last stage, each micro-batch runs the rest of the user's step (loss, ``self.
 step's loss and logged values are then sent to every stage, so Lightning, callbacks and loggers see the real values
 on every rank and nothing waits for a rank that never logs.
 
-The step is data (pipeline/step.py): a :class:`StepContext` handed to each stage module for the schedule's run, and
+The step is data (pipeline/step_data.py): a :class:`StepContext` handed to each stage module for the schedule's run, and
 a :class:`StepResults` the strategy logs once. The per-step and per-micro-batch work here is on the host's critical
 path (a pipeline step is many short actions): what the user's step logs is collected per micro-batch without
 Lightning's ``self.log`` (:class:`_LogCollector`), and travels as one small tensor once the logged names are known
@@ -34,7 +34,7 @@ from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.metrics import MetricMirror
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
-from lightning_hybrid.pipeline.step import (
+from lightning_hybrid.pipeline.step_data import (
     ActionTimer,
     LogRecord,
     StepContext,
@@ -86,9 +86,6 @@ class PipelineRunner:
         self._log = _LogCollector()
         self._metrics = MetricMirror(module)
         """The module's torchmetrics objects, updated on the last stage and mirrored on the others."""
-        self.loss_scale = 1.0
-        """Multiplies the loss the schedule differentiates: the fp16 loss scale over Lightning's
-        ``accumulate_grad_batches`` (``steps.run_step`` sets it each step)."""
         self.verifier: Optional[PipelineVerifier] = None
         """``verify_pipeline``: compares the first batch with an unsplit forward (the strategy sets it)."""
         self._checks_pending = True
@@ -106,9 +103,11 @@ class PipelineRunner:
         """This rank's compute actions of the last step."""
         return self._timer.timeline
 
-    def run(self, mode: str, batch: Any, *extra: Any) -> StepResults:
+    def run(self, mode: str, batch: Any, *extra: Any, loss_scale: float = 1.0) -> StepResults:
         """Run ``mode`` (``"training_step"``, ``"validation_step"``, ...) for one batch on this rank's stages; the
-        step's loss or outputs and logged values, the same on every rank (log them with :meth:`StepResults.log`)."""
+        step's loss or outputs and logged values, the same on every rank (log them with :meth:`StepResults.log`).
+        ``loss_scale`` multiplies the loss the schedule differentiates (the fp16 loss scale over Lightning's
+        ``accumulate_grad_batches``)."""
         self.finish_sending()
         training = mode == "training_step"
         size = batch_size_of(batch)
@@ -119,7 +118,7 @@ class PipelineRunner:
             step = StepContext(
                 mode, microbatches, extra, [self._capture(mode, mb, extra) for mb in used], self._run_stage
             )
-            step.records = [[] for _ in range(m)]
+            step.records, step.loss_scale = [[] for _ in range(m)], loss_scale
             schedule = self._schedule(training, m, step.captured[0])
             previous = self._take_gradients() if training else []
             if training and self._checks_pending:
@@ -287,7 +286,7 @@ class PipelineRunner:
         # the micro-batch mean gives the full batch's mean-loss gradient, as on one device
         # shape [1], not a scalar: schedules concatenate last-stage outputs across micro-batches
         # in fp32: a scaled fp16 loss would overflow fp16 (4.0 x 2**16 > 65504)
-        weight = step.weights[mb] if step.weights is not None else self.loss_scale / len(step.microbatches)
+        weight = step.weights[mb] if step.weights is not None else step.loss_scale / len(step.microbatches)
         return (loss.float() * weight).reshape(1)
 
     def _partial_forward(

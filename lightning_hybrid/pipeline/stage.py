@@ -29,7 +29,7 @@ from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.partition import StagePlan
 
 if TYPE_CHECKING:
-    from lightning_hybrid.pipeline.step import StepContext
+    from lightning_hybrid.pipeline.step_data import StepContext
 
 __all__ = [
     "NetworkSplit",

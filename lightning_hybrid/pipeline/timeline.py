@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
-from lightning_hybrid.pipeline.step import StepTimeline
+from lightning_hybrid.pipeline.step_data import StepTimeline
 
 __all__ = ["gather_timelines", "render_timeline", "theoretical_bubble", "to_chrome_trace"]
 

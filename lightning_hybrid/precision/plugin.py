@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, Literal, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -31,18 +32,29 @@ from lightning_hybrid._lightning_compat import convert_fp_tensor, module_trainer
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.precision.loss_scaler import DynamicLossScaler
 
-__all__ = ["HybridPrecision", "PRECISIONS", "check_supported"]
+__all__ = ["HybridPrecision", "OptimizerStepState", "PRECISIONS", "check_supported"]
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
-class GlobalNormClipping(Protocol):
-    """What clipping by norm needs from the strategy's gradient step (``sharding/step.py``'s ``GradientStep``): the
-    plugin sits below the step in the package's layers, so it names only this."""
+@dataclass
+class OptimizerStepState:
+    """What one optimizer step learned about its gradients: created per step by the step spine
+    (``lightning_hybrid/optimizer_step.py``), handed to :meth:`HybridPrecision.optimizer_step`, and kept as the
+    strategy's last step until the next one begins.
 
-    def clip_(self, max_norm: float) -> float:
-        """Clip every gradient by the norm over all shards; return that norm (before clipping). Collective."""
-        ...
+    Example:
+        >>> OptimizerStepState().found_inf
+        False
+    """
+
+    found_inf: bool = False
+    """Some rank's gradients overflowed (fp16): the step is skipped on every rank."""
+    taken_norm: Optional[float] = None
+    """The global norm the step took after unscaling (when tracked); clipping inside the step reuses it."""
+    norm: Optional[float] = None
+    """The global gradient norm before clipping, taken or clipped at (``strategy.last_gradient_norm``); None if
+    neither, or on overflow."""
 
 
 _LOW = {"bf16": torch.bfloat16, "16": torch.float16}
@@ -111,11 +123,9 @@ class HybridPrecision(Precision):
                 on_min_scale=on_min_scale,
                 max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             )
-        self._gradient_step: Optional[GlobalNormClipping] = None
-        self.found_inf = False
-        """Whether the current/last optimizer step saw an overflow on some rank (and was skipped)."""
-        self.last_gradient_norm: Optional[float] = None
-        """The global gradient norm before clipping, at the last clipped step."""
+        self._clip: Optional[Callable[[float], float]] = None
+        self._step = OptimizerStepState()
+        """The current optimizer step, or the last one between steps (its overflow decides whether to clip)."""
 
     # ------------------------------------------------------------------ metrics
     @property
@@ -143,10 +153,11 @@ class HybridPrecision(Precision):
             return cls(plugin.precision)
         return plugin
 
-    def use_gradient_step(self, gradient_step: GlobalNormClipping) -> None:
-        """Clip by norm through the strategy's gradient step (the global norm over every shard); the strategy calls
+    def clip_by_global_norm_with(self, clip: Callable[[float], float]) -> None:
+        """Clip by norm with ``clip(max_norm) -> norm before clipping``: the norm over every TP, PP and ZeRO shard
+        (the plugin sits below the gradients in the package's layers, so it is handed only this); the strategy calls
         this once its optimizers are set up."""
-        self._gradient_step = gradient_step
+        self._clip = clip
 
     # ------------------------------------------------------------------ model and data
     @override
@@ -185,22 +196,30 @@ class HybridPrecision(Precision):
     def unscale_gradients_(self, gradients: list[Tensor], device: torch.device) -> bool:
         """Unscale the gradients the optimizer will step on and agree, world-wide, whether any overflowed.
 
-        Called by the strategy once per optimizer step, after the gradient reduction; returns ``found_inf``.
+        Called by the step spine once per optimizer step, after the gradient reduction; returns ``found_inf``.
         """
-        self.found_inf = self.scaler.unscale_(gradients, device) if self.scaler is not None else False
-        return self.found_inf
+        return self.scaler.unscale_(gradients, device) if self.scaler is not None else False
 
     @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],
+        state: Optional[OptimizerStepState] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``closure`` (which fills ``state``: the step spine's), Lightning's hooks and clipping, then step the
+        optimizer unless ``state.found_inf``."""
+        self._step = state = state if state is not None else OptimizerStepState()
         if self.scaler is None:
-            self.found_inf = False
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise HybridConfigError("fp16 loss scaling cannot step LBFGS (its step re-evaluates the closure).")
-        # the closure runs forward, backward, the reduction, the unscale and the overflow check (strategy), then the
-        # hooks and clipping (_after_closure); the step itself is skipped on every rank if any rank overflowed
+        # the closure runs forward, backward, the reduction, the unscale and the overflow check (step spine), then
+        # the hooks and clipping (_after_closure); the step itself is skipped on every rank if any rank overflowed
         closure_result = wrap_closure(self, model, optimizer, closure)
-        found_inf = self.found_inf
+        found_inf = state.found_inf
         self.scaler.update(found_inf)
         if found_inf and self.scaler.stop_requested:
             _stop_training(model, self.scaler)
@@ -211,15 +230,15 @@ class HybridPrecision(Precision):
     # ------------------------------------------------------------------ clipping
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        if self.found_inf:
+        if self._step.found_inf:
             return  # the step is skipped; the norm of overflowed gradients means nothing
-        if self._gradient_step is None:
+        if self._clip is None:
             raise RuntimeError("HybridPrecision clips by norm only inside HybridStrategy.")
-        self.last_gradient_norm = self._gradient_step.clip_(float(clip_val))
+        self._clip(float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        if not self.found_inf:
+        if not self._step.found_inf:
             super().clip_grad_by_value(optimizer, clip_val)
 
     # ------------------------------------------------------------------ checkpoints

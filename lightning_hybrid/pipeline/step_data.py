@@ -43,6 +43,8 @@ class StepContext:
     outputs: list[Any] = field(default_factory=list)
     records: list[list[LogRecord]] = field(default_factory=list)
     """What the user's step logged, per micro-batch (last stage only)."""
+    loss_scale: float = 1.0
+    """Multiplies the loss the schedule differentiates: the fp16 loss scale over ``accumulate_grad_batches``."""
     weights: Optional[list[float]] = None
     """Each micro-batch's factor on its loss (default: loss scale / micro-batches; verify_pipeline keeps one)."""
     checks: Any = None
@@ -72,7 +74,8 @@ class StepResults:
 
     def log(self, log: Callable[..., None]) -> Any:
         """Call ``log`` (``LightningModule.log``; the strategy's step makes its ``sync_dist`` reduce over the
-        data-parallel group, see :func:`lightning_hybrid.steps.run_step`) once per logged name. Returns ``output``."""
+        data-parallel group, see :func:`lightning_hybrid.module_step.run_step`) once per logged name. Returns
+        ``output``."""
         for name, value, args, kwargs in self.logged:
             log(name, value, *args, **kwargs)
         return self.output

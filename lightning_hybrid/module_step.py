@@ -2,7 +2,7 @@
 
 A step runs under the precision plugin's context for it and, with a vocabulary-parallel head, torch's
 ``loss_parallel``; under pipeline parallel, through the pipeline runner, which gives back the step's output and the
-values it logged, merged over micro-batches (:class:`~lightning_hybrid.pipeline.step.StepResults`). Lightning then
+values it logged, merged over micro-batches (:class:`~lightning_hybrid.pipeline.step_data.StepResults`). Lightning then
 receives plain tensors (not DTensors), and ``self.log(..., sync_dist=True)`` reduces over the data-parallel replicas
 only: tensor and pipeline peers of a replica hold the same value, so reducing over them too would count it several
 times. Both ways of logging name that group with :func:`sync_over`.
@@ -54,8 +54,8 @@ def run_step(
         if runner is not None:
             # the schedule runs backward inside the step: the fp16 loss scale is applied there, and so is Lightning's
             # division of the loss by accumulate_grad_batches, which it applies to the loss it differentiates itself
-            runner.loss_scale = (precision.loss_scale or 1.0) / _accumulation(module, name)
-            results = runner.run(name, *args, *kwargs.values())
+            loss_scale = (precision.loss_scale or 1.0) / _accumulation(module, name)
+            results = runner.run(name, *args, *kwargs.values(), loss_scale=loss_scale)
             # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank; pipeline
             # and tensor peers hold the same value, so `sync_dist` reduces over the data-parallel replicas only
             return results.log(lambda key, value, *a, **kw: module.log(key, value, *a, **sync_over(kw, data_group)))

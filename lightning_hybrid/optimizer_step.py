@@ -1,0 +1,139 @@
+"""One training step, in order: the step spine.
+
+Lightning enters a training step through the strategy's ``optimizer_step`` (automatic optimization: its closure runs
+the step and its backward; manual optimization: ``optimizer.step()`` in the module's step). :meth:`OptimizerStep.run`
+spells out everything that follows, top to bottom:
+
+1. run the step, pipelined or not (Lightning's closure: ``strategy.training_step`` -> ``module_step.run_step``);
+2. restore: the pipeline's schedule ran the backward inside the step, its gradients go back on the parameters
+   (Lightning's closure: ``strategy.backward``);
+3. reduce: tensor-parallel replicas, tied weights across stages, then the data-parallel (ZeRO) reduction;
+4. unscale and agree on overflow on every rank (fp16);
+5. the global norm (when tracked; clipping takes it anyway);
+6. clip by the global norm (Lightning's ``on_before_optimizer_step`` hooks and ``configure_gradient_clipping``);
+7. step, or skip on every rank if any rank overflowed;
+8. gather the updated shards back into the parameters (ZeRO-1/2), or drop the overflowed gradients.
+
+What the step learns on the way travels as one :class:`~lightning_hybrid.precision.plugin.OptimizerStepState`,
+created per step, handed to the precision plugin and kept as the last step (``last``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lightning_hybrid.precision.plugin import HybridPrecision, OptimizerStepState
+from lightning_hybrid.sharding.gradient_step import GradientStep
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["OptimizerStep"]
+
+
+class OptimizerStep:
+    """Runs every optimizer step of one fit through :meth:`run` (the strategy builds one after
+    ``configure_optimizers``) and keeps the last step's :class:`OptimizerStepState`.
+
+    Arguments:
+        gradients: the fit's :class:`~lightning_hybrid.sharding.gradient_step.GradientStep`.
+        precision: the strategy's :class:`~lightning_hybrid.HybridPrecision` (loss scaler, hooks, skipped steps).
+
+    Example:
+        >>> # spine = OptimizerStep(GradientStep.for_layout(...), plugin)
+        >>> # strategy.optimizer_step: spine.run(optimizer, closure, module, backward_sync_blocked=False,
+        >>> #                                    track_norm=False)   # collective, all ranks
+    """
+
+    def __init__(self, gradients: GradientStep, precision: HybridPrecision) -> None:
+        self.gradients, self.precision = gradients, precision
+        self.last = OptimizerStepState()
+        """The current optimizer step, or the last one between steps."""
+        precision.clip_by_global_norm_with(self.clip)
+
+    def run(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: pl.LightningModule,
+        *,
+        backward_sync_blocked: bool,
+        track_norm: bool,
+        **kwargs: Any,
+    ) -> Any:
+        """One optimizer step of ``optimizer`` (``kwargs``: for ``optimizer.step``); returns what the closure did.
+        Collective: every rank runs it for every optimizer step."""
+        gradients, precision = self.gradients, self.precision
+        sharded = gradients.sharded_for(optimizer)
+        buckets = sharded.buckets if sharded is not None else None
+        # until this step takes or clips a norm, the last one is still the one to report
+        state = self.last = OptimizerStepState(norm=self.last.norm)
+
+        def step_and_its_gradients() -> Any:
+            # the precision plugin calls this first inside the optimizer step (torch's optimizer may call it for it)
+            if buckets is not None and not backward_sync_blocked:
+                buckets.arm()  # this closure's backward is the step's last: reduce buckets as it goes
+            # 1. and 2. Lightning's closure: strategy.training_step (module_step.run_step: the pipeline's schedule
+            # runs forward and backward, or the module's own step), then strategy.backward (the schedule's gradients
+            # restored, or autograd's backward)
+            result = closure()
+            # 3. reduce: TP replicas and tied weights summed, then the data-parallel average into the ZeRO shards
+            gradients.reduce(sharded)
+            # 4. unscale and agree on overflow, world-wide (fp16 only)
+            if precision.scaler is not None:
+                state.found_inf = precision.unscale_gradients_(gradients.norm.gradients(), gradients.device)
+            # 5. the global norm: a pass over the gradients and a scalar all-reduce, only when asked
+            state.norm = state.taken_norm = gradients.norm.total() if track_norm and not state.found_inf else None
+            return result
+
+        try:
+            # 6. and 7. the precision plugin runs the closure above, Lightning's on_before_optimizer_step hooks and
+            # gradient clipping (HybridPrecision.clip_grad_by_norm -> self.clip), then this rank's optimizer step,
+            # skipped on every rank if state.found_inf
+            output = precision.optimizer_step(optimizer, model, step_and_its_gradients, state, **kwargs)
+        finally:
+            state.taken_norm = None  # clipping after the step measures the gradients as they are then
+        gradients.measure_model_state(state.found_inf)
+        # 8. gather the updated shards into the parameters; after an overflow, weights and optimizer state stay as
+        # they were and the overflowed gradients go
+        if state.found_inf:
+            if sharded is not None:
+                sharded.discard_gradients()
+            for p in gradients.module.parameters():
+                p.grad = None
+        elif sharded is not None:
+            sharded.gather_parameters()
+        return output
+
+    def clip(self, max_norm: float) -> float:
+        """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
+        device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
+        state = self.last
+        # inside a step the norm was just taken (after the reduction and unscaling): clipping reuses it
+        state.norm = self.gradients.norm.clip_(max_norm, norm=state.taken_norm)
+        return state.norm
+
+    def hold_schedulers_on_skipped_steps(self, trainer: pl.Trainer) -> None:
+        """A step skipped for gradient overflow must not advance per-step LR schedulers (as in Megatron). Lightning
+        steps them through the module's ``lr_scheduler_step`` hook after every optimizer step, so the hook is
+        wrapped (on this module instance, until :meth:`release_schedulers`) to pass over them after a skipped step."""
+        if self.precision.scaler is None or not trainer.lr_scheduler_configs:
+            return
+        per_step = {id(c.scheduler) for c in trainer.lr_scheduler_configs if c.interval == "step"}
+        module = self.gradients.module
+        hook = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            if self.last.found_inf and id(scheduler) in per_step:
+                return
+            hook(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+
+    @staticmethod
+    def release_schedulers(module: nn.Module) -> None:
+        """Undo :meth:`hold_schedulers_on_skipped_steps` (at teardown)."""
+        module.__dict__.pop("lr_scheduler_step", None)

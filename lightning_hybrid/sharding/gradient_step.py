@@ -1,0 +1,201 @@
+"""The gradients of an optimizer step: the ZeRO wrappers of the optimizers, the reduction that makes the gradients
+the single-device ones, their global norm, the gathers for reading them, and what the rank holds.
+
+The strategy builds one :class:`GradientStep` per fit (after ``configure_optimizers``); the step spine
+(``lightning_hybrid/optimizer_step.py``) calls it in the step's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_hybrid._lightning_compat import unwrap_optimizer
+from lightning_hybrid.dtensor import full_tensor
+from lightning_hybrid.sharding.gradient_sync import GradientSync
+from lightning_hybrid.sharding.memory import measure_model_state_bytes
+from lightning_hybrid.sharding.norm import GradientNorm
+from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_hybrid.layout import ParallelLayout
+    from lightning_hybrid.parallelize import Parallelized
+
+__all__ = ["GradientStep"]
+
+
+class GradientStep:
+    """The gradients of every optimizer step: made the single-device ones (:meth:`reduce`), measured (``norm``),
+    gathered for reading (:meth:`full_gradients`); the parameters gathered back after a step (``sharded``).
+
+    Arguments:
+        module: the parallelized LightningModule.
+        optimizers: the strategy's optimizers (``LightningOptimizer`` or plain).
+        mesh: the ``("pipeline", "data", "tensor")`` mesh.
+        zero_stage: 0-3; below 3 each optimizer is wrapped in a :class:`ShardedOptimizer` (FSDP2 reduces ZeRO-3).
+        master_dtype: the dtype of the master weights ZeRO-0/1/2 step (None: the parameters' own).
+        device: this rank's device (the overflow flag's all-reduce runs there).
+        gradient_sync: the tensor-parallel (and ZeRO-3 left-out) gradient sum of the parallelized model.
+        tied_sync: the sum over pipeline stages of parameters several stages hold (None without such).
+        duplicates: parameters another stage also holds, counted once in the norm.
+        bucket_cap_mb: reduce gradients in buckets of this size during backward (None: after the last backward).
+        offload: step the optimizers on the host with DeepSpeedCPUAdam (``offload_optimizer``).
+
+    Example:
+        >>> # step = GradientStep(module, strategy.optimizers, mesh=mesh, zero_stage=1, master_dtype=None, ...)
+        >>> # after the step's last backward: step.reduce(step.sharded_for(optimizer))   # collective, all ranks
+    """
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        optimizers: list[Any],
+        *,
+        mesh: DeviceMesh,
+        zero_stage: int,
+        master_dtype: Optional[torch.dtype],
+        device: torch.device,
+        gradient_sync: Optional[GradientSync],
+        tied_sync: Optional[Callable[[], None]],
+        duplicates: list[nn.Parameter],
+        bucket_cap_mb: Optional[float],
+        offload: bool,
+    ) -> None:
+        self.module, self.optimizers, self.device = module, optimizers, device
+        self.gradient_sync, self.tied_sync = gradient_sync, tied_sync
+        self.sharded: list[ShardedOptimizer] = (
+            [
+                ShardedOptimizer(
+                    unwrap_optimizer(opt),
+                    stage=zero_stage,
+                    dp_mesh=mesh["data"],
+                    master_dtype=master_dtype,
+                    bucket_cap_mb=bucket_cap_mb,
+                    tensor_sync=gradient_sync,  # ZeRO-2 buckets apply it per bucket, before reducing
+                    parameter_order=list(module.parameters()),  # reversed: the order of backward
+                    host_masters=offload,
+                )
+                for opt in optimizers
+            ]
+            if zero_stage < 3
+            else []
+        )
+        self.norm = GradientNorm(module, self.sharded, mesh, zero_stage, duplicates)
+        self.offloads: list[Any] = []
+        if offload:
+            from lightning_hybrid.sharding.offload import attach_offload
+
+            self.offloads = attach_offload(
+                [unwrap_optimizer(o) for o in optimizers], [self.sharded_for(o) for o in optimizers]
+            )
+        self.model_state_bytes: dict[str, int] = {}
+        """Bytes of parameters, gradients and optimizer state this rank held at the last optimizer step."""
+        self._model_state_settled = False
+
+    @classmethod
+    def for_layout(
+        cls,
+        module: pl.LightningModule,
+        optimizers: list[Any],
+        layout: ParallelLayout,
+        mesh: DeviceMesh,
+        parallelized: Parallelized,
+        precision: Any,
+        device: torch.device,
+    ) -> GradientStep:
+        """The step of ``layout`` for the model :func:`~lightning_hybrid.parallelize.parallelize` returned.
+
+        Example:
+            >>> # step = GradientStep.for_layout(module, optimizers, layout, mesh, parallelized, plugin, device)
+        """
+        # the pipeline's schedule runs every micro-batch's backward inside training_step and stashes gradients
+        # itself (pipeline/runner.py): it keeps the reduction after the last backward (ZeRO-2 included)
+        zero = layout.zero
+        overlap = zero.overlap_grad_reduce and layout.pipeline_parallel_size == 1
+        return cls(
+            module,
+            optimizers,
+            mesh=mesh,
+            zero_stage=layout.zero_stage,
+            master_dtype=precision.master_dtype,
+            device=device,
+            gradient_sync=parallelized.gradient_sync,
+            tied_sync=parallelized.tied_sync,
+            duplicates=parallelized.duplicates,
+            bucket_cap_mb=zero.bucket_cap_mb if overlap else None,
+            offload=zero.offload_optimizer,
+        )
+
+    def close(self) -> None:
+        """Stop the gradient buckets listening to backward (a later fit builds a new step)."""
+        for z in self.sharded:
+            if z.buckets is not None:
+                z.buckets.remove_hooks()
+
+    def sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
+        """The ZeRO wrapper of ``optimizer`` (None at ZeRO-3)."""
+        raw = unwrap_optimizer(optimizer)
+        return next((z for z in self.sharded if z.optimizer is raw), None)
+
+    def measure_model_state(self, found_inf: bool) -> None:
+        """``model_state_bytes`` after an optimizer step (``found_inf``: skipped for overflow, so state may be missing);
+        measured until the sizes settle."""
+        if self._model_state_settled:
+            return
+        # sizes settle once every state tensor exists (after the first real step): stop measuring then
+        measured = measure_model_state_bytes(self.module, self.optimizers, self.sharded or None)
+        if self.offloads:
+            from lightning_hybrid.sharding.offload import offload_ledger
+
+            measured = offload_ledger(measured, self.offloads)
+        self._model_state_settled = measured == self.model_state_bytes and not found_inf
+        self.model_state_bytes = measured
+
+    def reduce(self, sharded: Optional[ShardedOptimizer] = None) -> None:
+        """Make gradients the single-device ones: tensor-parallel replicas first, then data-parallel (ZeRO) reduction.
+
+        Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself).
+        """
+        for z in self.sharded:
+            z.fold_gradients()  # fp32 accumulation of low-precision gradients, before any reduction reads them
+        bucketed = sharded is not None and sharded.buckets is not None
+        if bucketed:
+            # the data-parallel average runs in buckets during backward: let it finish before the tensor-parallel
+            # sync reads and writes the same gradients (both are sums over different mesh dimensions, so they
+            # commute)
+            sharded.reduce_gradients()
+        if self.tied_sync is not None:
+            self.tied_sync()
+        if self.gradient_sync is not None and not (sharded is not None and sharded.reduces_in_backward):
+            self.gradient_sync()
+        if sharded is not None and not bucketed:
+            sharded.reduce_gradients()
+
+    # ------------------------------------------------------------------ reading the gradients
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
+        on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
+        grads: dict[int, Optional[Tensor]] = {}
+        for z in self.sharded:
+            grads.update({id(p): g for p, g in zip(z.model_parameters, z.gathered_gradients())})
+        out = {}
+        for name, p in self.module.named_parameters():
+            g = grads.get(id(p), p.grad)
+            if g is None:
+                continue
+            if isinstance(p, DTensor) and not isinstance(g, DTensor):
+                g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            out[name] = full_tensor(g)  # fused projections too, on every torch of the supported range
+        return out
+
+    def bucket_stats(self) -> list[list[dict[str, int]]]:
+        """Per optimizer, per gradient bucket: parameters, bytes, all-reduces started and how many of them started
+        during backward (empty lists where the gradients are not bucketed)."""
+        return [z.buckets.stats() if z.buckets is not None else [] for z in self.sharded]
