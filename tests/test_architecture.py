@@ -98,7 +98,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # raises together, the compat modules (every private torch and Lightning name), the c10d interception and groups
     ("leaves", (
         "lightning_hybrid._version", "lightning_hybrid.config", "lightning_hybrid.layout",
-        "lightning_hybrid.pipeline_schedules", "lightning_hybrid.dtensor", "lightning_hybrid._hooks", "lightning_hybrid.agreement",
+        "lightning_hybrid.pipeline_schedules", "lightning_hybrid.dtensor", "lightning_hybrid._hooks",
+        "lightning_hybrid.agreement",
         "lightning_hybrid._torch_compat", "lightning_hybrid._lightning_compat", "lightning_hybrid.c10d_interception",
         "lightning_hybrid.process_groups",
     )),
