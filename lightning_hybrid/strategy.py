@@ -30,9 +30,9 @@ from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
 from lightning_hybrid.checkpoint.strategy_io import CheckpointHooks
-from lightning_hybrid.config import ParallelLayout, StrategyOptions
+from lightning_hybrid.config import HybridConfigError, ParallelLayout, StrategyOptions
 from lightning_hybrid.construction.deferred import DeferredConstruction
-from lightning_hybrid.data import skip_finished_batches
+from lightning_hybrid.data import check_replica_batches, skip_finished_batches
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
@@ -60,10 +60,18 @@ def _module_step(name: str) -> Callable[..., Any]:
 
     def step(self: HybridStrategy, *args: Any, **kwargs: Any) -> Any:
         module, data_group = self.lightning_module, self._data_group
+        if name == "training_step" and self._first_batch_unchecked:
+            self._first_batch_unchecked = False
+            check_replica_batches(args[0], self.device_mesh, self.root_device)
         return run_step(module, name, args, kwargs, self.precision_plugin, self.parallelized, data_group)
 
     step.__name__ = step.__qualname__ = name
     return step
+
+
+def _fitting(module: Any) -> bool:
+    trainer = getattr(module, "_trainer", None)
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
 
 class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
@@ -184,6 +192,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         self._gradient_step: Optional[GradientStep] = None
         self._backward_sync_blocked = False
         self._deferred = DeferredConstruction()
+        self._first_batch_unchecked = True
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ precision
@@ -254,6 +263,13 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         # resolve the layout from the world size before the process group exists: a bad layout raises on every rank
         machine = {"world_size": self.world_size, "devices_per_node": self.num_processes, "device": self.root_device}
         layout = resolve_layout(options, module, **machine, precision=self.precision_plugin)
+        if layout.pipeline_parallel_size > 1 and not module.automatic_optimization and _fitting(module):
+            raise HybridConfigError(
+                f"Manual optimization (`automatic_optimization=False` in {type(module).__name__}) cannot be pipelined"
+                f" (`pipeline_parallel_size={layout.pipeline_parallel_size}`): the schedule runs each micro-batch's"
+                " backward itself, where the step calls `manual_backward` and the optimizers. Use"
+                ' `pipeline_parallel_size=1` (tensor and data parallel train manual steps as `"ddp"` does).'
+            )
         self._topology = topology.start_topology(
             layout, self.cluster_environment, self.root_device, self.process_group_backend, self._timeout
         )
@@ -315,6 +331,7 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            self._first_batch_unchecked = True
             self.setup_optimizers(trainer)
             self._gradient_step.hold_schedulers_on_skipped_steps(trainer)
         self.setup_precision_plugin()
@@ -334,6 +351,9 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
             self.root_device,
         )
         self.precision_plugin.use_gradient_step(self._gradient_step)
+        # Lightning's wrappers copied each optimizer's attributes when made: made again, they see what the ZeRO
+        # wrappers changed (a zero_grad that clears the model's gradients too, not only the masters')
+        self.optimizers = self.optimizers
 
     @override
     def model_to_device(self) -> None:
@@ -392,9 +412,27 @@ class HybridStrategy(CheckpointHooks, GradientStepHooks, ParallelStrategy):
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         return topology.broadcast_object(obj, src)
 
+    # ``all_gather`` and ``reduce`` without a group work over the data-parallel replicas, as ``"ddp"``'s over its
+    # processes: a replica's tensor and pipeline peers hold one value, which a world-wide sum would count once per
+    # peer and a world-wide gather would repeat (``self.all_gather``, ``self.log(..., sync_dist=True)`` outside a step)
+    # (``LightningModule.all_gather`` passes the world group where the user named none: it counts as none)
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, group=self._replicas(group), sync_grads=sync_grads)
+
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Union[ReduceOp, str, None] = "mean") -> Any:
-        return topology.reduce(tensor, group, reduce_op) if isinstance(tensor, Tensor) else tensor
+        return topology.reduce(tensor, self._replicas(group), reduce_op) if isinstance(tensor, Tensor) else tensor
+
+    def _replicas(self, group: Optional[Any]) -> Any:
+        return self._data_group if group is None or group is torch.distributed.group.WORLD else group
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # a decision (stop, save) every rank must take alike: counted over the world, as Lightning compares it with
+        # the world size
+        votes = topology.reduce(torch.tensor(int(decision), device=self.root_device), None, "sum")
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def teardown(self) -> None:
