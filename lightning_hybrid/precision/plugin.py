@@ -204,14 +204,22 @@ class HybridPrecision(Precision):
     # ------------------------------------------------------------------ clipping
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        if self.found_inf:
-            return  # the step is skipped; the norm of overflowed gradients means nothing
         if self._gradient_step is None:
             raise RuntimeError("HybridPrecision clips by norm only inside HybridStrategy.")
-        self.last_gradient_norm = self._gradient_step.clip_(float(clip_val))
+        manual = not self._gradient_step.inside_step  # self.clip_gradients between manual_backward and step
+        if manual:
+            self._gradient_step.before_clipping(optimizer)
+        if self.found_inf:
+            return  # the step is skipped; the norm of overflowed gradients means nothing
+        if manual:
+            self.last_gradient_norm = self._gradient_step.clip_optimizer_(optimizer, float(clip_val))
+        else:
+            self.last_gradient_norm = self._gradient_step.clip_(float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        if self._gradient_step is not None:
+            self._gradient_step.before_clipping(optimizer)  # manual optimization: reduce the gradients first
         if not self.found_inf:
             super().clip_grad_by_value(optimizer, clip_val)
 

@@ -90,6 +90,9 @@ class GradientStep:
             from lightning_hybrid.sharding.offload import attach_offload
 
             self.offloads = attach_offload(optimizers, [self.sharded_for(o) for o in optimizers])
+        self._inside_step = False
+        self._reduced_ahead: Optional[Any] = None
+        """The optimizer whose gradients :meth:`before_clipping` reduced ahead of its step (manual optimization)."""
         self.last_norm: Optional[float] = None
         """The global gradient norm before clipping at the last optimizer step (None if not taken or overflowed)."""
         self._step_norm: Optional[float] = None
@@ -156,25 +159,22 @@ class GradientStep:
         skipped on every rank if any rank's gradients overflowed; afterwards the parameters are gathered (ZeRO)."""
         sharded = self.sharded_for(optimizer)
         plugin = self.precision
+        reduced_ahead = self._reduced_ahead is unwrap_optimizer(optimizer)
 
         def closure_then_reduce() -> Any:
-            # order on the gradients the optimizer steps on: reduce, unscale (fp16), agree on overflow world-wide,
-            # global norm; Lightning's hooks and clipping follow, then the step (skipped on every rank on overflow)
             buckets = sharded.buckets if sharded is not None else None
             if buckets is not None and not backward_sync_blocked:
                 buckets.arm()  # this closure's backward pass is the step's last: reduce buckets as it goes
             result = closure()
-            self.reduce(sharded)
-            found_inf = plugin.scaler is not None and plugin.unscale_gradients_(self.norm.gradients(), self.device)
-            # one pass over the gradients and a scalar all-reduce: only when asked (clipping takes it anyway)
-            tracked = track_norm and not found_inf
-            self.last_norm = self._step_norm = self.norm.total() if tracked else None
+            if not reduced_ahead:
+                self._prepare(sharded, track_norm)
             return result
 
+        self._inside_step = True
         try:
             output = step(closure_then_reduce)
         finally:
-            self._step_norm = None
+            self._step_norm, self._reduced_ahead, self._inside_step = None, None, False
         self._measure_model_state()
         if plugin.found_inf:
             # weights and optimizer state stay as they were; the overflowed gradients go
@@ -185,6 +185,31 @@ class GradientStep:
         elif sharded is not None:
             sharded.gather_parameters()
         return output
+
+    @property
+    def inside_step(self) -> bool:
+        """Whether an optimizer step is running (Lightning's clipping there follows the reduction)."""
+        return self._inside_step
+
+    def _prepare(self, sharded: Optional[ShardedOptimizer], track_norm: bool) -> None:
+        """The order on the gradients an optimizer steps on: reduce, unscale (fp16), agree on overflow world-wide,
+        global norm; Lightning's hooks and clipping follow, then the step (skipped on every rank on overflow)."""
+        self.reduce(sharded)
+        plugin = self.precision
+        found_inf = plugin.scaler is not None and plugin.unscale_gradients_(self.norm.gradients(), self.device)
+        # one pass over the gradients and a scalar all-reduce: only when asked (clipping takes it anyway)
+        tracked = track_norm and not found_inf
+        self.last_norm = self._step_norm = self.norm.total() if tracked else None
+
+    def before_clipping(self, optimizer: Any) -> None:
+        """Manual optimization clips between ``manual_backward`` and ``optimizer.step()``, where ``"ddp"``'s gradients
+        are already averaged: reduce (and unscale) ``optimizer``'s gradients now, and not again in its step. Inside a
+        step (automatic optimization) they are reduced already. Collective: every rank clips alike."""
+        raw = unwrap_optimizer(optimizer)
+        if self._inside_step or self._reduced_ahead is raw:
+            return
+        self._prepare(self.sharded_for(optimizer), track_norm=False)
+        self._reduced_ahead = raw
 
     def _measure_model_state(self) -> None:
         if self._model_state_settled:
@@ -223,6 +248,16 @@ class GradientStep:
         device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
         # inside a step the norm was just taken (after the reduction and unscaling): clipping reuses it
         self.last_norm = self.norm.clip_(max_norm, norm=self._step_norm)
+        return self.last_norm
+
+    def clip_optimizer_(self, optimizer: Any, max_norm: float) -> float:
+        """Clip ``optimizer``'s gradients by their global norm (manual optimization's ``self.clip_gradients``, where
+        each optimizer clips its own parameters' gradients, as Lightning's plugin does); returns that norm."""
+        self.before_clipping(optimizer)
+        sharded = self.sharded_for(optimizer)
+        raw = unwrap_optimizer(optimizer)
+        only = {id(p) for group in raw.param_groups for p in group["params"]} if sharded is None else None
+        self.last_norm = self.norm.clip_(max_norm, sharded=sharded, parameters=only)
         return self.last_norm
 
     def hold_schedulers_on_skipped_steps(self, trainer: pl.Trainer) -> None:
