@@ -784,17 +784,19 @@ class ShardedOptimizer:
             )
 
     def _clear_model_gradients_on_zero_grad(self, optimizer: Optimizer) -> None:
-        """The optimizer's groups hold the masters, but backward accumulates into the model's parameters (or their
-        fp32 buffers): its ``zero_grad`` clears those too, as the unwrapped optimizer's would. Otherwise a manual
-        step with two optimizers added its second backward to the gradients its first left on the second
-        optimizer's parameters (reduction only takes the gradients of the optimizer that steps)."""
+        """The optimizer's groups hold the masters, but backward accumulates into the model's parameters: its
+        ``zero_grad`` clears their gradients too, as the unwrapped optimizer's would. Otherwise a manual step with
+        two optimizers added its second backward to the gradients its first left on the second optimizer's
+        parameters (reduction only takes the gradients of the optimizer that steps). The fp32 accumulation buffers of
+        low-precision parameters are left alone: under a pipeline, Lightning's ``zero_grad`` comes after the step's
+        backward, which has already folded the gradients into them (a manual step with two optimizers in
+        ``bf16-true`` is untested)."""
         clear_masters = optimizer.zero_grad
 
         def zero_grad(set_to_none: bool = True) -> None:
             clear_masters(set_to_none=set_to_none)
             for p in self.model_parameters:
                 p.grad = None
-            self._release_buffers(free=False)
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
@@ -886,19 +888,16 @@ class ShardedOptimizer:
     def take_parameter_writes(self) -> None:
         """Weights written since the last step (a user's EMA or weight-averaging callback, a hook) reach the masters
         the optimizer steps; otherwise the step's gather overwrote them with the old values. Masters of the
-        parameters' own dtype take this rank's shard of the parameters (an exact copy); masters of lower-precision
-        parameters take only the elements whose rounded value changed. Host masters (offload) are left as they are:
-        the copy would cross to the host every step."""
+        parameters' own dtype take this rank's shard of the parameters (an exact copy: unwritten, they are equal).
+        Not done for fp32 masters of lower-precision parameters ('-true' precisions: the masters hold what the
+        parameters' rounding lost) nor for host masters (offload: the copy would cross to the host every step)."""
         for g in self.groups:
             if g.master is None or g.master.device != local_tensor(g.params[0]).device:
                 continue
+            if any(local_tensor(p).dtype != g.master.dtype for p in g.params):
+                continue
             start = self.dp_rank * g.shard_size if self.sharded else 0
-            current = self._master_shard(g.params, start, g.shard_size, None)
-            if current.dtype == g.master.dtype:
-                g.master.copy_(current)
-            else:
-                changed = current != g.master.to(current.dtype)
-                g.master[changed] = current[changed].to(g.master.dtype)
+            g.master.copy_(self._master_shard(g.params, start, g.shard_size, None))
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
