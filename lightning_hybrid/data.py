@@ -1,4 +1,4 @@
-"""Resuming mid-epoch at the right batch.
+"""Resuming mid-epoch at the right batch, and checking that a replica's ranks receive one batch.
 
 Lightning restarts a plain (non-stateful) DataLoader from its first batch when a run resumes from a checkpoint taken
 mid-epoch, while counting the epoch's batches as already done: the first batches would be seen twice and the last
@@ -8,11 +8,61 @@ ones never. The loop's restored progress says how many batches of this epoch are
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_hybrid._lightning_compat import finished_batches_of_epoch
+from lightning_hybrid.config import HybridConfigError
 
-__all__ = ["SkipOnResume", "skip_finished_batches"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["SkipOnResume", "check_replica_batches", "skip_finished_batches"]
+
+
+def _fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
+    """[elements, sum, position-weighted sum] over the batch's tensors (float64)."""
+    parts: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, parts.append)
+    out = torch.zeros(3, dtype=torch.float64, device=device)
+    for t in parts:
+        flat = t.detach().reshape(-1).to(device=device, dtype=torch.float64)
+        out += torch.stack([out.new_tensor(flat.numel()), flat.sum(), (flat * torch.arange(1, flat.numel() + 1,
+                            dtype=torch.float64, device=device)).sum()])  # fmt: skip
+    return out
+
+
+def check_replica_batches(batch: Any, mesh: DeviceMesh, device: torch.device) -> None:
+    """Refuse, on every rank alike, a first training batch that differs between the ranks of one data-parallel
+    replica (its tensor- and pipeline-parallel peers compute one model on one batch). Lightning's own sampler splits
+    over the replicas; a user's sampler or dataset that shards by global rank splits over every process, and would
+    train each peer on other samples in silence. Collective over the world: call it on every rank, once per fit.
+
+    Example:
+        >>> # check_replica_batches(batch, strategy.device_mesh, strategy.root_device)  # first training batch
+    """
+    if mesh["pipeline"].size() * mesh["tensor"].size() == 1:
+        return
+    mine = _fingerprint(batch, device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    ranks = mesh.mesh  # (pipeline, data, tensor) -> global rank
+    for replica in range(ranks.shape[1]):
+        members = ranks[:, replica, :].flatten().tolist()
+        differing = [r for r in members if not torch.equal(everyone[r], everyone[members[0]])]
+        if differing:
+            raise HybridConfigError(
+                f"The first training batch differs between global ranks {members[0]} and {differing[0]}, which belong"
+                f" to one data-parallel replica (replica {replica}: ranks {members}); its tensor- and"
+                " pipeline-parallel ranks must receive the identical batch. A sampler or dataset that shards by"
+                " `trainer.global_rank` and `trainer.world_size` (or torch.distributed's rank) splits the data over"
+                " every process instead. With `use_distributed_sampler=False`, shard by"
+                " `trainer.strategy.distributed_sampler_kwargs` (its `num_replicas` and `rank` are the data-parallel"
+                " size and this rank's replica); an IterableDataset likewise."
+            )
 
 
 def skip_finished_batches(dataloader: Any, trainer: Any) -> Any:

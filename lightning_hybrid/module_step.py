@@ -11,19 +11,30 @@ times. Both ways of logging name that group with :func:`sync_over`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.tensor import DTensor
 
+from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.data import check_replica_batches
 from lightning_hybrid.dtensor import to_plain
 
 if TYPE_CHECKING:
     from lightning_hybrid.parallelize import Parallelized
 
-__all__ = ["STEP_CONTEXTS", "loss_context", "plain", "plain_logging", "run_step", "sync_over"]
+__all__ = [
+    "STEP_CONTEXTS",
+    "check_manual_optimization",
+    "loss_context",
+    "plain",
+    "plain_logging",
+    "run_step",
+    "step_hook",
+    "sync_over",
+]
 
 STEP_CONTEXTS = {
     "training_step": "train_step_context",
@@ -32,6 +43,34 @@ STEP_CONTEXTS = {
     "predict_step": "predict_step_context",
 }
 """The precision plugin's context for each step (autocast / default dtype), as Lightning's own strategies use them."""
+
+
+def step_hook(name: str) -> Callable[..., Any]:
+    """The strategy's hook ``name`` (``training_step``, ...): the module's step, run by :func:`run_step`. The first
+    training batch of a fit is checked to be the same on a replica's tensor and pipeline ranks."""
+
+    def step(strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == "training_step" and strategy._first_batch_unchecked:
+            strategy._first_batch_unchecked = False
+            check_replica_batches(args[0], strategy.device_mesh, strategy.root_device)
+        module, plugin, parallelized = strategy.lightning_module, strategy.precision_plugin, strategy.parallelized
+        return run_step(module, name, args, kwargs, plugin, parallelized, strategy._data_group)
+
+    step.__name__ = step.__qualname__ = name
+    return step
+
+
+def check_manual_optimization(module: Any, pipeline_parallel_size: int) -> None:
+    """Refuse, on every rank before any process group exists, a manual-optimization fit under a pipeline."""
+    trainer = getattr(module, "_trainer", None)
+    fitting = trainer is not None and trainer.state.fn == "fit"
+    if pipeline_parallel_size > 1 and not module.automatic_optimization and fitting:
+        raise HybridConfigError(
+            f"Manual optimization (`automatic_optimization=False` in {type(module).__name__}) cannot be pipelined"
+            f" (`pipeline_parallel_size={pipeline_parallel_size}`): the schedule runs each micro-batch's"
+            " backward itself, where the step calls `manual_backward` and the optimizers. Use"
+            ' `pipeline_parallel_size=1` (tensor and data parallel train manual steps as `"ddp"` does).'
+        )
 
 
 def run_step(

@@ -21,10 +21,11 @@ created per step, handed to the precision plugin and kept as the last step (``la
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
+from lightning_hybrid._lightning_compat import unwrap_optimizer
 from lightning_hybrid.precision.plugin import HybridPrecision, OptimizerStepState
 from lightning_hybrid.sharding.gradient_step import GradientStep
 
@@ -52,7 +53,10 @@ class OptimizerStep:
         self.gradients, self.precision = gradients, precision
         self.last = OptimizerStepState()
         """The current optimizer step, or the last one between steps."""
-        precision.clip_by_global_norm_with(self.clip)
+        self._inside_step = False
+        self._reduced_ahead: Optional[tuple[Any, OptimizerStepState]] = None
+        """(optimizer, its step's state) whose gradients a manual step's clipping reduced before the step."""
+        precision.clip_by_global_norm_with(self.clip_optimizer, self.gradients_for_clipping)
 
     def run(
         self,
@@ -69,8 +73,11 @@ class OptimizerStep:
         gradients, precision = self.gradients, self.precision
         sharded = gradients.sharded_for(optimizer)
         buckets = sharded.buckets if sharded is not None else None
+        # a manual step's clipping may have reduced this optimizer's gradients already (gradients_for_clipping)
+        ahead, self._reduced_ahead = self._reduced_ahead, None
+        reduced_ahead = ahead is not None and ahead[0] is unwrap_optimizer(optimizer)
         # until this step takes or clips a norm, the last one is still the one to report
-        state = self.last = OptimizerStepState(norm=self.last.norm)
+        state = self.last = ahead[1] if reduced_ahead else OptimizerStepState(norm=self.last.norm)
 
         def step_and_its_gradients() -> Any:
             # the precision plugin calls this first inside the optimizer step (torch's optimizer may call it for it)
@@ -80,15 +87,15 @@ class OptimizerStep:
             # runs forward and backward, or the module's own step), then strategy.backward (the schedule's gradients
             # restored, or autograd's backward)
             result = closure()
-            # 3. reduce: TP replicas and tied weights summed, then the data-parallel average into the ZeRO shards
-            gradients.reduce(sharded)
-            # 4. unscale and agree on overflow, world-wide (fp16 only)
-            if precision.scaler is not None:
-                state.found_inf = precision.unscale_gradients_(gradients.norm.gradients(), gradients.device)
+            if reduced_ahead:
+                return result
+            # 3. and 4. reduce, unscale and agree on overflow
+            self._reduce_and_unscale(sharded, state)
             # 5. the global norm: a pass over the gradients and a scalar all-reduce, only when asked
             state.norm = state.taken_norm = gradients.norm.total() if track_norm and not state.found_inf else None
             return result
 
+        self._inside_step = True
         try:
             # 6. and 7. the precision plugin runs the closure above, Lightning's on_before_optimizer_step hooks and
             # gradient clipping (HybridPrecision.clip_grad_by_norm -> self.clip), then this rank's optimizer step,
@@ -96,6 +103,7 @@ class OptimizerStep:
             output = precision.optimizer_step(optimizer, model, step_and_its_gradients, state, **kwargs)
         finally:
             state.taken_norm = None  # clipping after the step measures the gradients as they are then
+            self._inside_step = False
         gradients.measure_model_state(state.found_inf)
         # 8. gather the updated shards into the parameters; after an overflow, weights and optimizer state stay as
         # they were and the overflowed gradients go
@@ -107,6 +115,46 @@ class OptimizerStep:
         elif sharded is not None:
             sharded.gather_parameters()
         return output
+
+    def _reduce_and_unscale(self, sharded: Any, state: OptimizerStepState) -> None:
+        """Steps 3 and 4 of :meth:`run`, for the gradients ``sharded`` (or the whole model's) steps on."""
+        # 3. reduce: TP replicas and tied weights summed, then the data-parallel average into the ZeRO shards
+        self.gradients.reduce(sharded)
+        # 4. unscale and agree on overflow, world-wide (fp16 only)
+        if self.precision.scaler is not None:
+            state.found_inf = self.precision.unscale_gradients_(self.gradients.norm.gradients(), self.gradients.device)
+
+    def gradients_for_clipping(self, optimizer: Any) -> OptimizerStepState:
+        """The state of the step whose gradients are about to be clipped, with them reduced. Inside a step (automatic
+        optimization) they are already. Manual optimization clips between ``manual_backward`` and
+        ``optimizer.step()``, where ``"ddp"``'s gradients are already averaged: ``optimizer``'s are reduced (and
+        unscaled) now, and not again in its step. Collective: every rank clips alike."""
+        if self._inside_step:
+            return self.last
+        if self._reduced_ahead is None or self._reduced_ahead[0] is not unwrap_optimizer(optimizer):
+            state = self.last = OptimizerStepState(norm=self.last.norm)
+            self._reduce_and_unscale(self.gradients.sharded_for(optimizer), state)
+            self._reduced_ahead = (unwrap_optimizer(optimizer), state)
+        return self._reduced_ahead[1]
+
+    def clip_optimizer(self, optimizer: Any, max_norm: float) -> Optional[float]:
+        """Lightning's gradient clipping by norm (``configure_gradient_clipping``, ``self.clip_gradients``); returns
+        the norm before clipping, None when the step overflowed (it is skipped; that norm means nothing). Inside a
+        step every gradient is clipped by the global norm (:meth:`clip`); in a manual step, ``optimizer``'s own
+        parameters by their own norm, as Lightning's plugin clips them."""
+        state = self.gradients_for_clipping(optimizer)
+        if state.found_inf:
+            return None
+        if self._inside_step:
+            return self.clip(max_norm)
+        sharded = self.gradients.sharded_for(optimizer)
+        only = (
+            None
+            if sharded is not None
+            else {id(p) for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]}
+        )
+        state.norm = self.gradients.norm.clip_(max_norm, sharded=sharded, parameters=only)
+        return state.norm
 
     def clip(self, max_norm: float) -> float:
         """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one

@@ -30,11 +30,16 @@ from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
 from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints
-from lightning_hybrid.config import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
+from lightning_hybrid.config import (
+    CheckpointOptions,
+    PipelineOptions,
+    TensorParallelOptions,
+    ZeroOptions,
+)
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout, StrategyOptions
-from lightning_hybrid.module_step import loss_context, run_step
+from lightning_hybrid.module_step import check_manual_optimization, loss_context, step_hook
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
@@ -55,18 +60,6 @@ __all__ = ["HybridStrategy"]
 
 # the constructor's arguments that StrategyOptions.from_arguments checks (all but timeout and track_gradient_norm)
 _OPTION_ARGUMENTS = frozenset(inspect.signature(StrategyOptions.from_arguments).parameters)
-
-
-def _module_step(name: str) -> Callable[..., Any]:
-    """The strategy's hook ``name`` (``training_step``, ...): the module's step, run by
-    :func:`~lightning_hybrid.module_step.run_step`."""
-
-    def step(self: HybridStrategy, *args: Any, **kwargs: Any) -> Any:
-        module, data_group = self.lightning_module, self._data_group
-        return run_step(module, name, args, kwargs, self.precision_plugin, self.parallelized, data_group)
-
-    step.__name__ = step.__qualname__ = name
-    return step
 
 
 class HybridStrategy(ParallelStrategy):
@@ -230,6 +223,7 @@ class HybridStrategy(ParallelStrategy):
         self._monitors: list[HybridMonitor] = []  # they ask for the gradient norm on their logging steps
         self._backward_sync_blocked = False
         self._deferred = DeferredConstruction()
+        self._first_batch_unchecked = True
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ precision
@@ -300,6 +294,7 @@ class HybridStrategy(ParallelStrategy):
         # resolve the layout from the world size before the process group exists: a bad layout raises on every rank
         machine = {"world_size": self.world_size, "devices_per_node": self.num_processes, "device": self.root_device}
         layout = resolve_layout(options, module, **machine, precision=self.precision_plugin)
+        check_manual_optimization(module, layout.pipeline_parallel_size)
         self._topology = topology.start_topology(
             layout, self.cluster_environment, self.root_device, self.process_group_backend, self._timeout
         )
@@ -367,6 +362,7 @@ class HybridStrategy(ParallelStrategy):
         self.barrier()
         self._monitors = [c for c in trainer.callbacks if isinstance(c, HybridMonitor)]
         if trainer.state.fn == TrainerFn.FITTING:
+            self._first_batch_unchecked = True
             self.setup_optimizers(trainer)
             self._require_optimizer_step().hold_schedulers_on_skipped_steps(trainer)
         self.setup_precision_plugin()
@@ -386,6 +382,9 @@ class HybridStrategy(ParallelStrategy):
             self.root_device,
         )
         self._optimizer_step = OptimizerStep(gradients, self.precision_plugin)
+        # Lightning's wrappers copied each optimizer's attributes when made: made again, they see what the ZeRO
+        # wrappers changed (a zero_grad that clears the model's gradients too, not only the masters')
+        self.optimizers = self.optimizers
 
     @override
     def model_to_device(self) -> None:
@@ -397,10 +396,10 @@ class HybridStrategy(ParallelStrategy):
         return skip_finished_batches(dataloader, self.lightning_module.trainer)  # a mid-epoch resume (data.py)
 
     # ------------------------------------------------------------------ steps (module_step.py)
-    training_step = _module_step("training_step")
-    validation_step = _module_step("validation_step")
-    test_step = _module_step("test_step")
-    predict_step = _module_step("predict_step")
+    training_step = step_hook("training_step")
+    validation_step = step_hook("validation_step")
+    test_step = step_hook("test_step")
+    predict_step = step_hook("predict_step")
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -542,9 +541,27 @@ class HybridStrategy(ParallelStrategy):
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         return topology.broadcast_object(obj, src)
 
+    # ``all_gather`` and ``reduce`` without a group work over the data-parallel replicas, as ``"ddp"``'s over its
+    # processes: a replica's tensor and pipeline peers hold one value, which a world-wide sum would count once per
+    # peer and a world-wide gather would repeat (``self.all_gather``, ``self.log(..., sync_dist=True)`` outside a step)
+    # (``LightningModule.all_gather`` passes the world group where the user named none: it counts as none)
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, group=self._replicas(group), sync_grads=sync_grads)
+
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Union[ReduceOp, str, None] = "mean") -> Any:
-        return topology.reduce(tensor, group, reduce_op) if isinstance(tensor, Tensor) else tensor
+        return topology.reduce(tensor, self._replicas(group), reduce_op) if isinstance(tensor, Tensor) else tensor
+
+    def _replicas(self, group: Optional[Any]) -> Any:
+        return self._data_group if group is None or group is torch.distributed.group.WORLD else group
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # a decision (stop, save) every rank must take alike: counted over the world, as Lightning compares it with
+        # the world size
+        votes = topology.reduce(torch.tensor(int(decision), device=self.root_device), None, "sum")
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def teardown(self) -> None:

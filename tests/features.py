@@ -193,3 +193,273 @@ def _parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from lightning_hybrid.checkpoint import full_tensor
 
     return {n: full_tensor(p).detach().clone().cpu() for n, p in module.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loops, callbacks, loggers and hooks: one module and one fit that exercise them all (``run_loops``)
+
+LOOP_MONITOR = "val_loss_epoch/dataloader_idx_0"  # two validation loaders: Lightning suffixes the names
+
+
+class LoopGPT(NanoGPT):
+    """nanoGPT written as a user fine-tuning with frozen embeddings (``requires_grad_(False)``): two validation
+    loaders logged on step and epoch with ``log_dict`` and every ``reduce_fx``; ``ReduceLROnPlateau`` stepped per
+    optimizer step on a validation value (not there before the first validation: ``strict=False``);
+    ``on_train_batch_start`` ending the second epoch early (-1); ``self.all_gather``, ``strategy.reduce`` and a
+    ``sync_dist`` sum in an epoch-end hook, on the tokens each replica saw."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model.wte.requires_grad_(False)
+        self.model.wpe.requires_grad_(False)
+        self.tokens_seen = 0.0
+
+    def on_train_epoch_start(self) -> None:
+        self.tokens_seen = 0.0
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
+        if self.current_epoch == 1 and batch_idx == 3:
+            return -1  # ends the epoch: every rank decides alike, from the batch index
+        self.tokens_seen += float(batch[0].sum())
+        return None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        self.log_dict({"train_loss_sum": loss}, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        self.log_dict({"val_loss_max": loss}, reduce_fx="max", sync_dist=True)
+        self.log_dict({"val_loss_min": loss}, reduce_fx="min", sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(-1)
+
+    def on_train_epoch_end(self) -> None:
+        seen = torch.tensor([self.tokens_seen])
+        gathered = self.all_gather(seen)  # ddp: one row per replica
+        self.log("gathered_rows", float(gathered.shape[0]))
+        self.log("gathered_sum", gathered.sum())
+        self.log("reduced_sum", self.trainer.strategy.reduce(seen.clone(), reduce_op="sum").sum())
+        self.log("seen_sum_sync", seen.sum(), reduce_fx="sum", sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+        # patience 0: each step after a validation that did not improve halves the rate, visible in the weights
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+        scheduler = {"scheduler": plateau, "monitor": LOOP_MONITOR, "interval": "step", "strict": False}
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+class LoopData(L.LightningDataModule):
+    """The user's own sampler (``use_distributed_sampler=False``): each replica's share of a seeded permutation, from
+    ``trainer.strategy.distributed_sampler_kwargs`` (``sharded_by``: ``"world"`` shards by global rank and world size
+    instead, which gives a layout's tensor and pipeline peers different batches)."""
+
+    def __init__(self, sharded_by: str = "strategy") -> None:
+        super().__init__()
+        self.sharded_by = sharded_by
+        self.data = make_dataset()
+
+    def _share(self) -> dict[str, int]:
+        if self.sharded_by == "world":
+            return {"num_replicas": self.trainer.world_size, "rank": self.trainer.global_rank}
+        return self.trainer.strategy.distributed_sampler_kwargs
+
+    def train_dataloader(self) -> DataLoader:
+        share = self._share()
+        order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(SEED)).tolist()
+        mine = order[share["rank"] :: share["num_replicas"]]
+        return DataLoader(self.data, batch_size=BATCH_SIZE, sampler=mine)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        # two loaders; the second's batches (3 per rank) do not split into 2 micro-batches evenly
+        first = Subset(self.data, range(EVAL_SAMPLES))
+        second = Subset(self.data, range(EVAL_SAMPLES, EVAL_SAMPLES + 6))
+        return [DataLoader(first, batch_size=BATCH_SIZE), DataLoader(second, batch_size=3)]
+
+
+class ParameterEMA(L.Callback):
+    """A user's exponential moving average of the weights: read after every batch, written into the model at each
+    epoch's end (training goes on from the average)."""
+
+    def __init__(self, decay: float = 0.5) -> None:
+        self.decay = decay
+        self.average: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            for name, p in pl_module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                if name in self.average:
+                    self.average[name].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+                else:
+                    self.average[name] = p.detach().clone()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with torch.no_grad():
+            for name, p in pl_module.named_parameters():
+                if name in self.average:
+                    p.copy_(self.average[name])
+
+
+class _RecordedSummary(L.pytorch.callbacks.ModelSummary):
+    """Lightning's ``ModelSummary``, keeping the counts it shows (every rank computes them; rank 0 prints)."""
+
+    counts: dict[str, Any] = {}
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        summary = self._summary(trainer, pl_module)
+        self.counts = {
+            "total": summary.total_parameters,
+            "trainable": summary.trainable_parameters,
+            "layers": dict(zip(summary.layer_names, summary.param_nums)),
+        }
+
+
+class _WrittenPredictions(L.pytorch.callbacks.BasePredictionWriter):
+    def __init__(self) -> None:
+        super().__init__(write_interval="batch")
+        self.written: list[torch.Tensor] = []
+
+    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, *args: Any) -> None:
+        self.written.append(prediction.detach().cpu())
+
+
+def run_loops(scenario: dict[str, Any], out_dir: Path) -> None:
+    """Frozen embeddings, ``val_check_interval=0.5``, sanity steps, two validation loaders, ``ReduceLROnPlateau``,
+    value clipping, ModelCheckpoint (monitor, top-k, last) with EarlyStopping and LearningRateMonitor, ModelSummary,
+    an EMA callback, a CSV logger, the user's sampler in a DataModule; then ``validate`` on both loaders and
+    ``predict`` through a ``BasePredictionWriter`` without returned predictions. Rank 0 saves every rank's record."""
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_hybrid import HybridStrategy
+
+    world = int(os.environ["WORLD_SIZE"])
+    spec = scenario["strategy"]
+    strategy = spec if isinstance(spec, str) else HybridStrategy(**spec)
+    L.seed_everything(SEED, verbose=False)
+    module = LoopGPT(**FEATURE_MODEL)
+    directory = out_dir / scenario["name"]
+    checkpoint = ModelCheckpoint(
+        dirpath=str(directory / "checkpoints"), monitor=LOOP_MONITOR, save_top_k=2, save_last=True,
+        filename="{epoch}-{step}",
+    )  # fmt: skip
+    stopping = EarlyStopping(monitor=LOOP_MONITOR, patience=2)
+    ema, summary, writer = ParameterEMA(), _RecordedSummary(max_depth=2), _WrittenPredictions()
+    recording = _RecordingLogger()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        logger=[CSVLogger(save_dir=str(directory), name="csv", version=0), recording],
+        callbacks=[checkpoint, stopping, LearningRateMonitor(logging_interval="step"), ema, summary, writer],
+        max_epochs=EPOCHS,
+        limit_train_batches=TRAIN_BATCHES,
+        limit_val_batches=VAL_BATCHES,
+        val_check_interval=0.5,
+        num_sanity_val_steps=1,
+        gradient_clip_val=0.005,
+        gradient_clip_algorithm="value",
+        use_distributed_sampler=False,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+    )
+    data = LoopData(scenario.get("sharded_by", "strategy"))
+    trainer.fit(module, datamodule=data)
+    fit_metrics = _floats(trainer.callback_metrics)
+    validated = trainer.validate(module, datamodule=data, verbose=False)
+    evaluation = DataLoader(Subset(data.data, range(EVAL_SAMPLES)), batch_size=BATCH_SIZE)
+    returned = trainer.predict(module, dataloaders=evaluation, return_predictions=False)
+    csv = directory / "csv" / "version_0" / "metrics.csv"
+    record = {
+        "rows": recording.rows,
+        "fit_metrics": fit_metrics,
+        "validated": [_floats(d) for d in validated],
+        "returned": returned,
+        "written": torch.cat(writer.written),
+        "checkpoint": {
+            "best_k": {Path(k).name: float(v) for k, v in checkpoint.best_k_models.items()},
+            "best": Path(checkpoint.best_model_path).name,
+            "last": Path(checkpoint.last_model_path).name,
+            "saved": sorted(p.name for p in (directory / "checkpoints").iterdir()),
+        },
+        "stopping": {
+            "wait": stopping.wait_count,
+            "stopped_epoch": stopping.stopped_epoch,
+            "best": float(stopping.best_score),
+        },  # fmt: skip
+        "summary": summary.counts,
+        "csv": csv.read_text() if dist.get_rank() == 0 else None,
+        "data_rank": _data_rank(trainer),
+        "params": _parameters(module),
+    }
+    records: list[Any] = [None] * world
+    dist.all_gather_object(records, record)
+    if dist.get_rank() == 0:
+        torch.save({"per_rank": records}, out_dir / f"{scenario['name']}.pt")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Manual optimization with two optimizers (``run_manual``)
+
+
+class ManualGPT(NanoGPT):
+    """Manual optimization as a GAN's two players: one optimizer for the blocks and head, stepped on the loss, with
+    ``self.clip_gradients`` by norm; one for the embeddings, stepped on a second forward's loss, clipped by value."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        body, embeddings = self.optimizers()
+        loss = self._loss(batch)
+        body.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(body, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        body.step()
+        second = 0.5 * self._loss(batch)
+        embeddings.zero_grad()
+        self.manual_backward(second)
+        self.clip_gradients(embeddings, gradient_clip_val=0.002, gradient_clip_algorithm="value")
+        embeddings.step()
+        self.log("loss_body", loss, sync_dist=True)
+        self.log("loss_embeddings", second, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        embedding = {id(p) for p in (*self.model.wte.parameters(), *self.model.wpe.parameters())}
+        body = [p for p in self.parameters() if id(p) not in embedding]
+        embeddings = [p for p in self.parameters() if id(p) in embedding]
+        return torch.optim.SGD(body, lr=0.05, momentum=0.9), torch.optim.SGD(embeddings, lr=0.5)
+
+
+def run_manual(scenario: dict[str, Any], out_dir: Path) -> None:
+    """Three manual steps with two optimizers; rank 0 saves every rank's logged rows and weights."""
+    from lightning_hybrid import HybridStrategy
+
+    world = int(os.environ["WORLD_SIZE"])
+    spec = scenario["strategy"]
+    strategy = spec if isinstance(spec, str) else HybridStrategy(**spec)
+    L.seed_everything(SEED, verbose=False)
+    module = ManualGPT(**FEATURE_MODEL)
+    logger = _RecordingLogger()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, logger=logger, max_epochs=1, limit_train_batches=3,
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=DataLoader(make_dataset(), batch_size=BATCH_SIZE, shuffle=True))
+    record = {"rows": logger.rows, "data_rank": _data_rank(trainer), "params": _parameters(module)}
+    records: list[Any] = [None] * world
+    dist.all_gather_object(records, record)
+    if dist.get_rank() == 0:
+        torch.save({"per_rank": records}, out_dir / f"{scenario['name']}.pt")
+
+
+RUNNERS = {"features": run_features, "feature_loops": run_loops, "feature_manual": run_manual}

@@ -387,10 +387,10 @@ def main() -> None:
                 from tests.deepspeed_source import record
 
                 record(scenario, out_dir)
-            elif scenario.get("runner") == "features":  # fit, validate, test, predict (tests/features.py)
-                from tests.features import run_features
+            elif scenario.get("runner") in ("features", "feature_loops", "feature_manual"):  # tests/features.py
+                from tests.features import RUNNERS
 
-                run_features(scenario, out_dir)
+                RUNNERS[scenario["runner"]](scenario, out_dir)
             else:
                 run(scenario, out_dir)
         except Exception as error:

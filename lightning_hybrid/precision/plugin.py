@@ -123,7 +123,8 @@ class HybridPrecision(Precision):
                 on_min_scale=on_min_scale,
                 max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             )
-        self._clip: Optional[Callable[[float], float]] = None
+        self._clip: Optional[Callable[[Any, float], Optional[float]]] = None
+        self._gradients_for_clipping: Optional[Callable[[Any], OptimizerStepState]] = None
         self._step = OptimizerStepState()
         """The current optimizer step, or the last one between steps (its overflow decides whether to clip)."""
 
@@ -153,11 +154,17 @@ class HybridPrecision(Precision):
             return cls(plugin.precision)
         return plugin
 
-    def clip_by_global_norm_with(self, clip: Callable[[float], float]) -> None:
-        """Clip by norm with ``clip(max_norm) -> norm before clipping``: the norm over every TP, PP and ZeRO shard
-        (the plugin sits below the gradients in the package's layers, so it is handed only this); the strategy calls
-        this once its optimizers are set up."""
-        self._clip = clip
+    def clip_by_global_norm_with(
+        self,
+        clip: Callable[[Any, float], Optional[float]],
+        gradients_for_clipping: Callable[[Any], OptimizerStepState],
+    ) -> None:
+        """Clip by norm with ``clip(optimizer, max_norm) -> norm before clipping`` (the norm over every TP, PP and ZeRO
+        shard), and before clipping by value have ``gradients_for_clipping(optimizer)`` make the gradients ready (a
+        manual step clips before its reduction) and say whether the step overflowed. The plugin sits below the
+        gradients in the package's layers, so it is handed only these; the strategy calls this once its optimizers
+        are set up."""
+        self._clip, self._gradients_for_clipping = clip, gradients_for_clipping
 
     # ------------------------------------------------------------------ model and data
     @override
@@ -230,15 +237,15 @@ class HybridPrecision(Precision):
     # ------------------------------------------------------------------ clipping
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        if self._step.found_inf:
-            return  # the step is skipped; the norm of overflowed gradients means nothing
         if self._clip is None:
             raise RuntimeError("HybridPrecision clips by norm only inside HybridStrategy.")
-        self._clip(float(clip_val))
+        self._clip(optimizer, float(clip_val))  # the spine skips it when the step overflowed
 
     @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        if not self._step.found_inf:
+        # manual optimization clips before the step: the spine reduces (and unscales) the gradients first
+        state = self._gradients_for_clipping(optimizer) if self._gradients_for_clipping is not None else self._step
+        if not state.found_inf:
             super().clip_grad_by_value(optimizer, clip_val)
 
     # ------------------------------------------------------------------ checkpoints

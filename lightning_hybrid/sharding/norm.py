@@ -92,20 +92,27 @@ class GradientNorm:
             out.append(pieces)
         return out
 
-    def _gradients(self) -> list[tuple[Tensor, Optional[list[_Segment]], float]]:
-        """(local gradient, weighted segments or None, weight) for every gradient the optimizers step on."""
+    def _gradients(
+        self, sharded: Optional[ShardedOptimizer] = None, parameters: Optional[set[int]] = None
+    ) -> list[tuple[Tensor, Optional[list[_Segment]], float]]:
+        """(local gradient, weighted segments or None, weight) for every gradient the optimizers step on; only
+        ``sharded``'s, or only those of ``parameters`` (ids), when given (one optimizer of several)."""
         out: list[tuple[Tensor, Optional[list[_Segment]], float]] = []
         if self.sharded and all(z.uses_masters for z in self.sharded):
             for zero, segments in zip(self.sharded, self.segments):
+                if sharded is not None and zero is not sharded:
+                    continue
                 for group, pieces in zip(zero.groups, segments):
                     if group.master is not None and group.master.grad is not None:
                         out.append((group.master.grad, pieces, 1.0))
             return out
+        if sharded is not None:
+            parameters = {id(p) for p in sharded.model_parameters}
         # ZeRO-0: every data-parallel replica holds the full gradient; ZeRO-3: FSDP2 shards it, except parameters it
         # was told to ignore (replicated over data)
         for p in {id(p): p for p in self.module.parameters()}.values():
             grad = local_grad(p)
-            if grad is None:
+            if grad is None or (parameters is not None and id(p) not in parameters):
                 continue
             replicated_over_data = self.zero_stage == 0 or not _sharded_over_data(p)
             weight = self.weights.get(id(p), 1.0) / (self.dp if replicated_over_data else 1)
@@ -117,11 +124,12 @@ class GradientNorm:
         return [grad for grad, _, _ in self._gradients()]
 
     @torch.no_grad()
-    def total(self) -> float:
-        """The global L2 norm (a collective over all ranks)."""
+    def total(self, sharded: Optional[ShardedOptimizer] = None, parameters: Optional[set[int]] = None) -> float:
+        """The global L2 norm (a collective over all ranks); of one optimizer's gradients with ``sharded`` or
+        ``parameters`` (see ``_gradients``)."""
         device = next(self.module.parameters()).device
         squares = torch.zeros((), dtype=torch.float64, device=device)
-        for grad, pieces, weight in self._gradients():
+        for grad, pieces, weight in self._gradients(sharded, parameters):
             g = grad.double()
             if pieces is None:
                 squares += weight * g.pow(2).sum()
@@ -133,14 +141,22 @@ class GradientNorm:
         return math.sqrt(max(squares.item(), 0.0))
 
     @torch.no_grad()
-    def clip_(self, max_norm: float, eps: float = 1e-6, norm: Optional[float] = None) -> float:
+    def clip_(
+        self,
+        max_norm: float,
+        eps: float = 1e-6,
+        norm: Optional[float] = None,
+        sharded: Optional[ShardedOptimizer] = None,
+        parameters: Optional[set[int]] = None,
+    ) -> float:
         """Scale every gradient by ``min(1, max_norm / (norm + eps))`` (torch's formula); returns the norm.
 
-        ``norm``: the global norm if the caller has just computed it for these gradients (saves a collective)."""
-        norm = self.total() if norm is None else norm
+        ``norm``: the global norm if the caller has just computed it for these gradients (saves a collective);
+        ``sharded``/``parameters``: one optimizer's gradients only (see ``_gradients``)."""
+        norm = self.total(sharded, parameters) if norm is None else norm
         coefficient = max_norm / (norm + eps)
         if coefficient < 1.0:
-            for grad, _, _ in self._gradients():
+            for grad, _, _ in self._gradients(sharded, parameters):
                 grad.mul_(coefficient)
         return norm
 

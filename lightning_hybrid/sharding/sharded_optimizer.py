@@ -104,6 +104,7 @@ class ShardedOptimizer:
             self.groups.append(FlatGroup(params, numel, shard, master))
         if self.uses_masters:
             optimizer.state.clear()  # state of full parameters (if any) no longer matches the shards
+            self._clear_model_gradients_on_zero_grad(optimizer)
         # ZeRO-2 reduces in buckets during every backward pass (ShardedGradientBuckets), in the shard's dtype
         zero2_buckets = bucket_cap_mb is not None and stage == 2 and self.dp > 1 and bool(self.model_parameters)
         # otherwise low-precision gradients are added into a full-size fp32 buffer as they come (p.main_grad)
@@ -132,6 +133,23 @@ class ShardedOptimizer:
                 dp=self.dp,
                 bucket_cap_mb=bucket_cap_mb,
             )
+
+    def _clear_model_gradients_on_zero_grad(self, optimizer: Optimizer) -> None:
+        """The optimizer's groups hold the masters, but backward accumulates into the model's parameters: its
+        ``zero_grad`` clears their gradients too, as the unwrapped optimizer's would. Otherwise a manual step with
+        two optimizers added its second backward to the gradients its first left on the second optimizer's
+        parameters (reduction only takes the gradients of the optimizer that steps). The fp32 accumulation buffers of
+        low-precision parameters are left alone: under a pipeline, Lightning's ``zero_grad`` comes after the step's
+        backward, which has already folded the gradients into them (a manual step with two optimizers in
+        ``bf16-true`` is untested)."""
+        clear_masters = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            clear_masters(set_to_none=set_to_none)
+            for p in self.model_parameters:
+                p.grad = None
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
     @property
     def reduces_in_backward(self) -> bool:
@@ -218,8 +236,24 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
+    def take_parameter_writes(self) -> None:
+        """Weights written since the last step (a user's EMA or weight-averaging callback, a hook) reach the masters
+        the optimizer steps; otherwise the step's gather overwrote them with the old values. Masters of the
+        parameters' own dtype take this rank's shard of the parameters (an exact copy: unwritten, they are equal).
+        Not done for fp32 masters of lower-precision parameters ('-true' precisions: the masters hold what the
+        parameters' rounding lost) nor for host masters (offload: the copy would cross to the host every step)."""
+        for g in self.groups:
+            if g.master is None or g.master.device != local_tensor(g.params[0]).device:
+                continue
+            if any(local_tensor(p).dtype != g.master.dtype for p in g.params):
+                continue
+            start = self.dp_rank * g.shard_size if self.sharded else 0
+            g.master.copy_(self._master_shard(g.params, start, g.shard_size, None))
+
+    @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Average gradients over the data-parallel group, once per optimizer step."""
+        self.take_parameter_writes()
         self.fold_gradients()
         self._flat_grads = []
         if isinstance(self.buckets, ShardedGradientBuckets):
