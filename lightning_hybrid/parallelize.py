@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_hybrid._lightning_compat import module_device_mesh, module_trainer
 from lightning_hybrid.agreement import computed_on_one_rank, raise_together
 from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
 from lightning_hybrid.config import HybridConfigError, ParallelLayout
@@ -347,7 +348,9 @@ def _cut_pipeline(
             precision=precision.precision,
             last_stage_rank=stage_plan.owner[-1],
         )
-        split = split_network(network, blocks_rel, stage_plan, pipeline_rank, root=module)
+        # the network may be the LightningModule: its meta copy refers to the same Trainer and mesh
+        keep = (module_trainer(module), module_device_mesh(module))
+        split = split_network(network, blocks_rel, stage_plan, pipeline_rank, root=module, keep=keep)
     unit = "seconds" if partition == "profile" else "params"
     rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(unit))
     return split, network, verifier
