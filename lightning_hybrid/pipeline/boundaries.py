@@ -14,6 +14,9 @@ The same forward tells which parameters one device's forward uses: a parameter i
 ``mask_token``, read only when a mask is passed) gets no gradient on one device either, and the first step's checks
 (pipeline/verify.py) do not ask one of it.
 
+c10d sends contiguous buffers, and a block may return a view (a channels-last ``permute``): the runner sends a
+stage's output contiguous, and :func:`contiguous_gradient` does the same for the gradient sent back.
+
 Cost: one forward on meta tensors per rank for each new shape of the network's inputs (when the schedule is built for
 them), and a meta copy of the network, made when it is cut. Where the forward cannot run on meta tensors (it reads
 values: ``.item()``), every boundary is sized as the hidden state entering the first block, as before blocks could
