@@ -353,7 +353,9 @@ def _cut_pipeline(
             last_stage_rank=stage_plan.owner[-1],
             shared=_attached_to(module),
         )
-        split = split_network(network, blocks_rel, stage_plan, pipeline_rank, root=module)
+        # the network may be the LightningModule: its meta copy refers to the same Trainer and mesh
+        keep = (module_trainer(module), module_device_mesh(module))
+        split = split_network(network, blocks_rel, stage_plan, pipeline_rank, root=module, keep=keep)
     unit = "seconds" if partition == "profile" else "params"
     rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(unit))
     return split, network, verifier

@@ -69,6 +69,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
         defaults = MODEL_DEFAULTS.get(model.removeprefix("deferred_"), {})
         module = build_deferred_module(model, **{**defaults, **kwargs})
     if module is None:
+        from tests.vision_models import build_vision_module
+
+        module = build_vision_module(model, **kwargs)
+    if module is None:
         from tests.foreign_models import build_foreign_module
 
         module = build_foreign_module(model, **kwargs)

@@ -5,7 +5,12 @@
   forward's own, seen in a meta forward of ``example_input_array``, and OPT trains like one device;
 - T5 at pp=2: an encoder-decoder has two block lists, and only one is cut: refused at set-up, naming both;
 - a Hugging Face pipeline plan (``_pp_plan``) orders the modules of a module without ``example_input_array``, and a
-  module called on both sides of the blocks is kept on every stage (in-process checks of the cut, no launch).
+  module called on both sides of the blocks is kept on every stage (in-process checks of the cut, no launch);
+- vision networks (tests/vision_models.py) at pp=2: a hierarchical ViT whose blocks change the hidden state's shape
+  (it crashed in the first backward: the boundary was sized as the first block's input), a CNN whose blocks return
+  channels-last views (it crashed sending a non-contiguous tensor), a ViT whose ``mask_token`` gets no gradient on
+  one device either (it was refused for that); the hierarchical ViT whose forward cannot run on meta tensors is
+  refused at the first step, and a shape change between blocks outside them is refused where a stage would end.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 
 from lightning_hybrid import HybridConfigError
 from lightning_hybrid.pipeline import partition_blocks, split_network
+from lightning_hybrid.pipeline.boundaries import contiguous_gradient, meta_copy, trace_unsplit_forward
 from lightning_hybrid.pipeline.stage import InputStub, OutputStub, io_slots
 from tests.conftest import share
 from tests.harness import check_trained_or_refused
@@ -26,8 +32,8 @@ TOL = 1e-5
 PP2 = {"pipeline_parallel_size": 2}
 
 
-def _case(name: str, model: str, refusal: str = "") -> dict[str, Any]:
-    return {"name": f"cuts-{name}-pp2", "model": model, "model_kwargs": {}, "dataset": "tokens", "strategy": PP2,
+def _case(name: str, model: str, refusal: str = "", dataset: str = "tokens") -> dict[str, Any]:
+    return {"name": f"cuts-{name}-pp2", "model": model, "model_kwargs": {}, "dataset": dataset, "strategy": PP2,
             "steps": 3, "batch_size": 4, "data_parallel_size": 1, "refusal": refusal,
             **({"expect_error": True} if refusal else {})}  # fmt: skip
 
@@ -40,6 +46,17 @@ CASES = [
         r"HybridConfigError: `pipeline_parallel_size` > 1: T5ForConditionalGeneration has several block lists"
         r" \(`encoder\.block`, `decoder\.block`\), as an encoder-decoder has; the pipeline cuts one block list"
         r" \(`decoder\.block`\) .* Train this model without pipeline parallel",
+    ),
+    _case("hierarchical-vit", "hierarchical_vit", dataset="images"),
+    _case("channels-last-cnn", "channels_last_cnn", dataset="images"),
+    _case("masked-vit", "masked_vit", dataset="images"),
+    _case(
+        "checked-hierarchical-vit",
+        "checked_hierarchical_vit",
+        r"HybridConfigError: The pipeline cut does not fit this network's forward, which would train wrong: pipeline"
+        r" stage 0 ends with `layers\.0`, whose output \(\[2, 16, 32\]\) is not the \[2, 64, 16\] the stage boundary"
+        r" carries\. The network's forward could not run on meta tensors",
+        dataset="images",
     ),
 ]
 share(2, CASES)
@@ -114,3 +131,62 @@ def test_an_encoder_decoder_is_refused_naming_both_block_lists() -> None:
     module = HFSeq2SeqLM("bart")
     with pytest.raises(HybridConfigError, match=r"\(`model\.encoder\.layers`, `model\.decoder\.layers`\)"):
         split_network(module.model, "model.decoder.layers", partition_blocks(2, 2), pipeline_rank=0, root=module)
+
+
+def test_the_boundaries_follow_the_shapes_and_one_device_tells_which_parameters_get_gradients() -> None:
+    """Read off a meta forward of the unsplit network (no launch): the hierarchical ViT's second stage receives the
+    merged hidden state, and the masked ViT's ``mask_token`` is no parameter one device differentiates."""
+    from tests.vision_models import HierarchicalViTNet, MaskedViTNet
+
+    images = torch.zeros(2, 3, 8, 8)
+    trace = trace_unsplit_forward(meta_copy(HierarchicalViTNet()), "layers", (images,), {}, training=True)
+    assert trace is not None
+    assert trace.stage_inputs(partition_blocks(2, 2), "layers") == [(2, 64, 16), (2, 16, 32)]
+    net = MaskedViTNet()
+    trace = trace_unsplit_forward(meta_copy(net), "blocks", (images,), {}, training=True)
+    assert trace is not None
+    assert {n for n, _ in net.named_parameters()} - trace.used == {"embeddings.mask_token"}
+    masked = {"bool_masked_pos": torch.zeros(2, 16, dtype=torch.bool)}
+    trace = trace_unsplit_forward(meta_copy(net), "blocks", (images,), masked, training=True)
+    assert trace is not None and "embeddings.mask_token" in trace.used
+
+
+class _MergesBetweenBlocks(nn.Module):
+    """Merges pairs of rows between its second and third block, in its own forward, outside the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(16, 16)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x.reshape(x.shape[0] // 2, 16) if i == 2 else x)
+        return x
+
+
+def test_a_shape_change_between_blocks_outside_them_is_refused_where_a_stage_would_end() -> None:
+    trace = trace_unsplit_forward(meta_copy(_MergesBetweenBlocks()), "blocks", (torch.zeros(4, 8),), {}, training=True)
+    assert trace is not None
+    assert trace.stage_inputs(partition_blocks(3, 2, partition=[1, 2]), "blocks") == [(4, 8), (4, 8)]
+    with pytest.raises(
+        HybridConfigError,
+        match=r"the cut \[2, 1\] ends a pipeline stage after `blocks\.1`, whose output has shape \[4, 8\], but the"
+        r" network's forward changes the hidden state to shape \[2, 16\] before `blocks\.2`, outside the blocks.*"
+        r"A stage may end after blocks \[0\] \(0-based\): give `pipeline_partition` as a list of block counts",
+    ):
+        trace.stage_inputs(partition_blocks(3, 2, partition=[2, 1]), "blocks")
+
+
+def test_a_received_activation_hands_on_a_contiguous_gradient() -> None:
+    """The zero-bubble schedules take a stage's input gradient from ``torch.autograd.grad``, which keeps the layout
+    of a block that starts with a view of its input (a channels-last permute); c10d sends contiguous buffers."""
+    received = torch.randn(2, 4, 4, 3, requires_grad=True)
+    head = nn.Linear(48, 5)  # reads the channels-first pixels of a channels-last activation, flattened
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return head(x.permute(0, 3, 1, 2).reshape(2, -1))
+
+    plain = torch.autograd.grad(block(received).sum(), received)[0]
+    assert not plain.is_contiguous()  # what the send would have been handed
+    wrapped = torch.autograd.grad(block(contiguous_gradient(received)).sum(), received)[0]
+    assert wrapped.is_contiguous() and torch.equal(wrapped, plain)

@@ -32,6 +32,7 @@ from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.metrics import MetricMirror
+from lightning_hybrid.pipeline.boundaries import trace_unsplit_forward
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
 from lightning_hybrid.pipeline.step_data import (
@@ -76,7 +77,7 @@ class PipelineRunner:
         self.last_stage = split.num_stages - 1
         # the last stage reruns the user's step: it needs the captured inputs of micro-batch 0 only (schedule key)
         self._capture_all = any(s != self.last_stage for s in self.stages)
-        self._cache: dict[tuple, Any] = {}
+        self._cache: dict[tuple, tuple[Any, dict[int, Tensor], Optional[frozenset[str]]]] = {}
         self._param_tables: Optional[list[dict[str, Optional[nn.Parameter]]]] = None
         self._schema: Optional[list[tuple[str, tuple, dict]]] = None
         """Names, args and kwargs of the last training step's logged records when all were scalars: the next step's
@@ -91,7 +92,11 @@ class PipelineRunner:
         self._checks_pending = True
         self.verification: Optional[dict[str, float]] = None
         """On the rank that ran ``verify_pipeline``'s comparison: the values it compared."""
-        self._hidden: Optional[Tensor] = None
+        self._sends: dict[int, Tensor] = {}
+        """Per stage of this rank but the last: an example of what it sends (shape and dtype), for the schedule's
+        current network inputs."""
+        self._differentiated: Optional[frozenset[str]] = None
+        """The parameters one device's forward differentiates on those inputs (None: not known)."""
         self._sending: Optional[tuple[Any, Tensor]] = None
         """The last stage's broadcast of the previous step's results, still in flight (work, buffer)."""
         last_rank = split.plan.owner[self.last_stage]
@@ -125,7 +130,7 @@ class PipelineRunner:
                 # the first training step checks the cut before any optimizer step; verify_pipeline does it in a step
                 # of its own, otherwise this step carries the checks
                 self._checks_pending = False
-                step.checks = FirstStepChecks(self.network, self.split)
+                step.checks = FirstStepChecks(self.network, self.split, differentiated=self._differentiated)
                 if self.verifier is not None:
                     self._verify(step, schedule)
                     step.checks = None
@@ -254,18 +259,13 @@ class PipelineRunner:
 
     def _stand_in(self, stage: int, received: Optional[Tensor]) -> Tensor:
         """What a stage that failed at the first step hands on: zeros of its output's shape, in autograd."""
-        if stage == self.last_stage:
-            base = torch.zeros(1, device=self.device)
-            return base + received.sum() * 0 if received is not None else base.requires_grad_()
-        if received is not None:
-            return received * 0
-        assert self._hidden is not None
-        return torch.zeros_like(self._hidden).requires_grad_()
+        base = torch.zeros(1, device=self.device) if stage == self.last_stage else torch.zeros_like(self._sends[stage])
+        return base + received.sum() * 0 if received is not None else base.requires_grad_()
 
     def _stage_forward(self, step: StepContext, stage: int, mb: int, received: Optional[Tensor]) -> Any:
         if stage != self.last_stage:
             args, kwargs = step.captured[mb]
-            return self._partial_forward(step, stage, received, args, kwargs)
+            return self._sendable(stage, self._partial_forward(step, stage, received, args, kwargs))
 
         def network_call(*args: Any, **kwargs: Any) -> Any:
             return self._partial_forward(step, stage, received, args, kwargs)
@@ -303,10 +303,32 @@ class PipelineRunner:
         finally:
             step.active = None
 
+    def _sendable(self, stage: int, out: Any) -> Any:
+        """``stage``'s output as its boundary sends it: of the shape the boundary was sized with (else refused), and
+        contiguous (c10d sends a contiguous buffer: a block may return a view, such as a channels-last permute of
+        its input; the copy costs one activation per micro-batch where it is one, nothing otherwise)."""
+        expected = self._sends[stage]
+        if not isinstance(out, Tensor) or out.shape != expected.shape:
+            shape = list(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            last = f"{self.split.blocks_name}.{self.split.plan.blocks(stage).stop - 1}"
+            why = (
+                " The network's forward could not run on meta tensors to show the shape at each boundary, so each was"
+                " sized as the hidden state entering the first block: this block list changes it."
+                if self._differentiated is None
+                else ""
+            )
+            raise HybridConfigError(
+                f"pipeline stage {stage} ends with `{last}`, whose output ({shape}) is not the {list(expected.shape)}"
+                f" the stage boundary carries.{why} Give `pipeline_partition` as a list of block counts that ends"
+                " stages only where the hidden state has the shape entering the first block, or train without"
+                " pipeline parallel (`pipeline_parallel_size=1`)."
+            )
+        return out.contiguous()
+
     # ------------------------------------------------------------------ schedules
-    def _activation_meta(self, captured: tuple[tuple, dict]) -> Tensor:
-        """The tensor that flows between stages, from a forward that stops at the block list's entrance (stubs
-        make it cheap off the first stage); blocks map a hidden state to one of the same shape."""
+    def _first_block_input(self, captured: tuple[tuple, dict]) -> Tensor:
+        """The hidden state entering the block list, from a forward that stops at its entrance (stubs make it cheap
+        off the first stage): its dtype is the boundaries' (after a '-true' cast, which the meta copy missed)."""
         stage = min(self.stages)
         # the probe calls the network directly, not through the stage module: gather ZeRO-3 input modules by hand
         fsdp = [m for m in self.stages.values() if hasattr(m, "unshard") and hasattr(m, "reshard")]
@@ -322,26 +344,45 @@ class PipelineRunner:
         found = first_tensor(*entry) if entry is not None else None
         if found is None:
             raise HybridConfigError("Could not find the hidden state entering the block list for pipeline parallel.")
-        hidden = found[1]
-        return torch.zeros(self.activation_shape(tuple(hidden.shape)), dtype=hidden.dtype, device=self.device)
+        return found[1]
+
+    def _boundaries(self, captured: tuple[tuple, dict]) -> tuple[list[Tensor], Optional[frozenset[str]]]:
+        """Zeros shaped as the hidden state entering each stage (torch's stages size their buffers by them), from a
+        forward of the unsplit network's meta copy (pipeline/boundaries.py; blocks may change the shape), and the
+        parameters that forward differentiates. Where it cannot run: every boundary sized as the hidden state
+        entering the first block, and None."""
+        hidden = self._first_block_input(captured)
+        split = self.split
+        trace = None
+        if split.unsplit is not None:
+            trace = trace_unsplit_forward(split.unsplit, split.blocks_name, *captured, training=self.network.training)
+        if trace is None:
+            shapes = [tuple(hidden.shape)] * split.num_stages
+        else:
+            shapes = trace.stage_inputs(split.plan, split.blocks_name)
+        examples = [torch.zeros(self.activation_shape(s), dtype=hidden.dtype, device=self.device) for s in shapes]
+        return examples, trace.used if trace is not None else None
 
     def _schedule(self, training: bool, m: int, captured: tuple[tuple, dict]) -> Any:
-        # keyed by the network inputs' shapes, so the activation probe runs only when they change
+        # keyed by the network inputs' shapes, so the boundaries are found again only when they change
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors_in(captured))
         key = (training, m, shapes, torch.is_autocast_enabled(self.device.type))
         if key in self._cache:
-            return self._cache[key]
-        hidden = self._hidden = self._activation_meta(captured)
+            schedule, self._sends, self._differentiated = self._cache[key]
+            return schedule
+        entering, self._differentiated = self._boundaries(captured)
+        self._sends = {s: entering[s + 1] for s in self.stages if s != self.last_stage}
         from torch.distributed import pipelining
 
         group = self.pp_mesh.get_group()
         stages = []
+        # the last stage's output: the micro-batch loss, shape [1]
+        entering.append(torch.zeros(1, dtype=torch.float32, device=self.device))
         for s, module in sorted(self.stages.items()):
             # example tensors' requires_grad tells the stage which gradients cross stage borders
-            example = hidden.detach().clone().requires_grad_(training)
-            inputs = torch.zeros(1, dtype=torch.long, device=self.device) if s == 0 else example
-            loss_meta = torch.zeros(1, dtype=torch.float32, device=self.device).requires_grad_(training)
-            outputs = example if s != self.last_stage else loss_meta
+            ids = torch.zeros(1, dtype=torch.long, device=self.device)
+            inputs = ids if s == 0 else entering[s].detach().clone().requires_grad_(training)
+            outputs = entering[s + 1].detach().clone().requires_grad_(training)
             stages.append(
                 TimedStage(
                     module,
@@ -365,7 +406,7 @@ class PipelineRunner:
             schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
         else:
             schedule = cls(stages[0], m, loss_fn=loss_fn, scale_grads=False)
-        self._cache[key] = schedule
+        self._cache[key] = (schedule, self._sends, self._differentiated)
         return schedule
 
     # ------------------------------------------------------------------ results

@@ -14,18 +14,19 @@ forward tolerates missing modules (torchtitan writes its models that way).
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._hooks import first_tensor, map_first_input, tensors_in
 from lightning_hybrid._torch_compat import module_children
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.pipeline.boundaries import contiguous_gradient, map_tensors, meta_copy, to_meta
 from lightning_hybrid.pipeline.partition import StagePlan
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class SkippedBlock(_ReadsAttributesOf):
 
     def __init__(self, module: Optional[nn.Module] = None, *, held: bool = False) -> None:
         super().__init__()
-        self.__dict__["_shadow"] = module if held or module is None else _meta_copy(module)
+        self.__dict__["_shadow"] = module if held or module is None else meta_copy(module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         found = first_tensor(args, kwargs)
@@ -109,7 +110,7 @@ class InputStub(_ReadsAttributesOf):
         else:
             self.kind, self.size = "same", 0
         # in __dict__, not _modules: its (meta) parameters are no part of this stage
-        self.__dict__["_shadow"] = _meta_copy(module) if shadow else None
+        self.__dict__["_shadow"] = meta_copy(module) if shadow else None
         self.__dict__["_meta_outputs"] = {}
         self.__dict__["_quick"] = {}  # (dtype, inputs' shape, dtype, device) -> the output's shape, dtype, device
 
@@ -137,7 +138,7 @@ class InputStub(_ReadsAttributesOf):
                 dtype = floating if floating is not None and t.is_floating_point() else t.dtype
                 return torch.zeros(t.shape, dtype=dtype, device=device)
 
-            return _map_tensors(zeros)(meta)
+            return map_tensors(zeros)(meta)
         x = args[0] if args else first_tensor(args, kwargs)[1]  # type: ignore[index]
         shape = {"append": (*x.shape, self.size), "replace_last": (*x.shape[:-1], self.size)}.get(self.kind, x.shape)
         return torch.zeros(shape, dtype=self.dtype, device=x.device)
@@ -150,7 +151,6 @@ class InputStub(_ReadsAttributesOf):
         key = _signature((args, kwargs))
         cache = self.__dict__["_meta_outputs"]
         if key is None or key not in cache:
-            to_meta = _map_tensors(lambda t: torch.empty_like(t, device="meta"))
             try:
                 with torch.no_grad():
                     out = shadow(*to_meta(args), **to_meta(kwargs))
@@ -160,37 +160,6 @@ class InputStub(_ReadsAttributesOf):
                 return out
             cache[key] = out
         return cache[key]
-
-
-def _meta_copy(module: nn.Module) -> Optional[nn.Module]:
-    """A deep copy of ``module`` with every parameter and buffer on the meta device, sharing no storage with it (tied
-    weights held elsewhere keep their real tensors); None where the module cannot be copied."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    try:
-        return copy.deepcopy(module, memo)
-    except Exception:  # e.g. a module holding a handle that cannot be copied: attributes then are not readable
-        return None
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Any], Any]:
-    def apply(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return fn(obj)
-        if isinstance(obj, dict):
-            mapped = {k: apply(v) for k, v in obj.items()}
-            try:  # a dict subclass (transformers' ModelOutput) keeps its attribute access
-                return type(obj)(**mapped)
-            except Exception:
-                return mapped
-        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            return type(obj)(apply(v) for v in obj)
-        return obj
-
-    return apply
 
 
 def _signature(obj: Any) -> Optional[tuple]:
@@ -257,6 +226,12 @@ class NetworkSplit:
     output_slots: list[_Slot] = field(default_factory=list)
     placed: str = ""
     """How the modules outside the blocks whose call order was not known were given to a stage (for errors)."""
+    blocks_name: str = "blocks"
+    """The block list's name relative to the network."""
+    unsplit: Optional[nn.Module] = None
+    """A copy of the network taken before the cut, its parameters and buffers on the meta device: its forward shows
+    the shape crossing each stage boundary and the parameters one device differentiates (pipeline/boundaries.py).
+    None where it could not be copied, or holds tensor-parallel parameters already."""
     # what `active` needs per stage, built on first use (a forward action is per micro-batch: keep it cheap)
     _swaps: dict[int, list[tuple[dict, str, nn.Module]]] = field(default_factory=dict, init=False, repr=False)
 
@@ -335,7 +310,7 @@ class NetworkSplit:
 
 
 def _receiver(step: StepContext, stage: int) -> Callable:
-    substitute = map_first_input(lambda _: step.active[1])  # type: ignore[index]
+    substitute = map_first_input(lambda _: contiguous_gradient(step.active[1]))  # type: ignore[index, arg-type]
 
     def receive(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         active = step.active
@@ -471,12 +446,19 @@ def check_one_block_list(network: nn.Module, blocks_rel: str) -> None:
 
 
 def split_network(
-    network: nn.Module, blocks_rel: str, plan: StagePlan, pipeline_rank: int, *, root: Optional[nn.Module] = None
+    network: nn.Module,
+    blocks_rel: str,
+    plan: StagePlan,
+    pipeline_rank: int,
+    *,
+    root: Optional[nn.Module] = None,
+    keep: Sequence[object] = (),
 ) -> NetworkSplit:
     """Replace, in place, every block, input and output module this rank does not hold by a stub.
 
     ``root``: the LightningModule, whose ``example_input_array`` (if any) shows on which side of the block list
-    the forward calls each module (:func:`call_order`).
+    the forward calls each module (:func:`call_order`). ``keep``: objects the network refers to that its meta copy
+    (``NetworkSplit.unsplit``) shares rather than copies (the Trainer and mesh of a LightningModule network).
 
     Example:
         >>> # split = split_network(gpt, "h", partition_blocks(4, 2), pipeline_rank=1)  # keeps h.2, h.3, ln_f, lm_head
@@ -486,7 +468,12 @@ def split_network(
     check_one_block_list(network, blocks_rel)
     order, placed = _call_order(network, blocks_rel, root)
     inputs, outputs = io_slots(network, blocks_rel, order)
-    split = NetworkSplit(network, blocks, plan, pipeline_rank, inputs, outputs, placed=placed)
+    # a copy already split over tensor parallel (the user's configure_model) would run its collectives on meta
+    tensor_parallel = any(isinstance(p, DTensor) for p in network.parameters())
+    unsplit = None if tensor_parallel else meta_copy(network, keep)
+    split = NetworkSplit(
+        network, blocks, plan, pipeline_rank, inputs, outputs, placed=placed, blocks_name=blocks_rel, unsplit=unsplit
+    )
     mine = split.local_stages()
     held = {i for s in mine for i in plan.blocks(s)}
     for i in range(len(blocks)):

@@ -81,9 +81,14 @@ class FirstStepChecks:
 
     network: nn.Module
     split: NetworkSplit
+    differentiated: Optional[frozenset[str]] = None
+    """The parameters (names relative to the network) that one device's forward of the first micro-batch
+    differentiates (pipeline/boundaries.py); the others get no gradient on one device either. None: not known (the
+    forward cannot run on meta tensors), and every parameter must get a gradient."""
     failures: list[str] = field(default_factory=list)
     _cut_off: set[int] = field(default_factory=set)
-    """Stages whose output does not depend on their input: their blocks' missing gradients follow from that."""
+    """Stages whose output does not depend on their input, or that failed: their blocks' missing gradients follow
+    from that."""
     errors: list[BaseException] = field(default_factory=list)
     """Exceptions a stage's forward raised at the first step (the stage went on with a stand-in, so that no peer
     waits for it in the schedule's communication)."""
@@ -157,7 +162,10 @@ class FirstStepChecks:
             missing = [
                 names.get(id(p), "?")
                 for p in module.parameters()
-                if p.requires_grad and p.grad is None and id(p) not in self._received
+                if p.requires_grad
+                and p.grad is None
+                and id(p) not in self._received
+                and self._expected(names.get(id(p)))
             ]
             if missing:
                 shown = ", ".join(f"`{n}`" for n in missing[:6]) + (" ..." if len(missing) > 6 else "")
@@ -166,8 +174,7 @@ class FirstStepChecks:
                     f" {shown}. The stage runs the network's forward only between its blocks (the first stage also"
                     " before them, the last also after them): a module placed before the block list"
                     f" `{self._blocks_name()}` but called after it, or the other way round, is cut onto the wrong"
-                    f" stage{self._placed()}. If the parameters are unused on one device too, set `requires_grad=False`"
-                    " on them."
+                    f" stage{self._placed()}.{self._unused_hint()}"
                 )
         for stage, late in sorted(self._late.items()):
             self.failures.append(
@@ -175,6 +182,20 @@ class FirstStepChecks:
                 f" were placed before the block list `{self._blocks_name()}`{self._placed()}, so the first stage"
                 " holds them and this stage ran a zero stand-in in their place."
             )
+
+    def _expected(self, name: Optional[str]) -> bool:
+        """Whether the parameter ``name`` gets a gradient on one device (where that is known)."""
+        from lightning_hybrid.checkpoint.optimizer import state_dict_name
+
+        return self.differentiated is None or name is None or state_dict_name(name) in self.differentiated
+
+    def _unused_hint(self) -> str:
+        if self.differentiated is not None:  # these parameters do get a gradient on one device
+            return ""
+        return (
+            " (The forward could not run on meta tensors to show which parameters one device differentiates: if"
+            " these are unused on one device too, set `requires_grad=False` on them.)"
+        )
 
     def _placed(self) -> str:
         """How the cut placed modules whose call order it did not know (pipeline/stage.py ``call_order``)."""
@@ -208,8 +229,12 @@ class FirstStepChecks:
             ) from (self.errors[0] if self.errors else None)
 
     def failed(self, stage: int, error: BaseException) -> None:
-        """``stage``'s forward raised ``error`` at the first step."""
-        if not self.errors:
+        """``stage``'s forward raised ``error`` at the first step (it went on with a stand-in, so its parameters'
+        missing gradients follow from that, and are not reported)."""
+        self._cut_off.add(stage)
+        if isinstance(error, HybridConfigError):  # the strategy's own finding (a boundary's shape): said in full
+            self.failures.append(f"{error}")
+        elif not self.errors:
             self.failures.append(
                 f"pipeline stage {stage}: the network's forward failed on this stage with {type(error).__name__}:"
                 f" {error} (it reads a module or attribute that another stage holds?)."
