@@ -178,10 +178,15 @@ def run_features(scenario: dict[str, Any], out_dir: Path) -> None:
         "data_rank": _data_rank(trainer),
         "params": _parameters(module),
     }
+    _save_per_rank(record, world, out_dir / f"{scenario['name']}.pt")
+
+
+def _save_per_rank(record: dict[str, Any], world: int, path: Path) -> None:
+    """Every rank's ``record``, saved by rank 0 as ``{"per_rank": [...]}`` (collective)."""
     records: list[Any] = [None] * world
     dist.all_gather_object(records, record)
     if dist.get_rank() == 0:
-        torch.save({"per_rank": records}, out_dir / f"{scenario['name']}.pt")
+        torch.save({"per_rank": records}, path)
 
 
 def _data_rank(trainer: L.Trainer) -> int:
@@ -400,10 +405,7 @@ def run_loops(scenario: dict[str, Any], out_dir: Path) -> None:
         "data_rank": _data_rank(trainer),
         "params": _parameters(module),
     }
-    records: list[Any] = [None] * world
-    dist.all_gather_object(records, record)
-    if dist.get_rank() == 0:
-        torch.save({"per_rank": records}, out_dir / f"{scenario['name']}.pt")
+    _save_per_rank(record, world, out_dir / f"{scenario['name']}.pt")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -456,10 +458,7 @@ def run_manual(scenario: dict[str, Any], out_dir: Path) -> None:
     )  # fmt: skip
     trainer.fit(module, train_dataloaders=DataLoader(make_dataset(), batch_size=BATCH_SIZE, shuffle=True))
     record = {"rows": logger.rows, "data_rank": _data_rank(trainer), "params": _parameters(module)}
-    records: list[Any] = [None] * world
-    dist.all_gather_object(records, record)
-    if dist.get_rank() == 0:
-        torch.save({"per_rank": records}, out_dir / f"{scenario['name']}.pt")
+    _save_per_rank(record, world, out_dir / f"{scenario['name']}.pt")
 
 
 RUNNERS = {"features": run_features, "feature_loops": run_loops, "feature_manual": run_manual}
