@@ -50,6 +50,7 @@ __all__ = [
     "layer_sync",
     "module_device_mesh",
     "module_trainer",
+    "summarize_with",
     "set_module_device_mesh",
     "set_launcher",
     "set_world_ranks",
@@ -145,3 +146,17 @@ def finished_batches_of_epoch(trainer: Any) -> int:
     if not (trainer.training and trainer.fit_loop.restarting):
         return 0
     return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def summarize_with(callback: Any, module_for: Callable[[Any], Any]) -> None:
+    """Have a ``ModelSummary`` callback (and a subclass of it) summarize ``module_for(pl_module)`` instead of the
+    module Lightning hands it: its ``_summary`` picks what to summarize.
+
+    checked on lightning 2.6.6 (2.6.x); public replacement: none yet (a ``ModelSummary`` hook for the module to
+    summarize, as ``DeepSpeedSummary`` is chosen there for ZeRO-3)."""
+    summary = callback._summary
+
+    def _summary(trainer: Any, pl_module: Any) -> Any:
+        return summary(trainer, module_for(pl_module))
+
+    callback._summary = _summary

@@ -43,6 +43,7 @@ from lightning_hybrid.module_step import check_manual_optimization, loss_context
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
+from lightning_hybrid.monitoring.summary import summarize_whole_model
 from lightning_hybrid.optimizer_step import OptimizerStep
 from lightning_hybrid.parallelize import ModelOptions, Parallelized, parallelize
 from lightning_hybrid.pipeline import PipelineRunner
@@ -355,6 +356,8 @@ class HybridStrategy(ParallelStrategy):
                 pipelined = self._pipeline is not None
                 verifier.sync = self.reduce_gradients if pipelined else self.parallelized.gradient_sync
             sync_metrics_over(module, self._data_group)  # torchmetrics: reduce over replicas only
+            if self._pipeline is not None:  # Lightning's ModelSummary: one device's counts, not this rank's stages
+                summarize_whole_model(trainer.callbacks, module, self._pipeline.network, self._pipeline.split.unsplit)
         # Lightning's model summary runs example_input_array through the model on rank 0 alone: a split model's
         # forward is a collective (TP/ZeRO-3) or needs other stages, so it would hang or fail. Hidden until teardown.
         self._example_input_array, module.example_input_array = module.example_input_array, None
@@ -541,10 +544,9 @@ class HybridStrategy(ParallelStrategy):
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         return topology.broadcast_object(obj, src)
 
-    # ``all_gather`` and ``reduce`` without a group work over the data-parallel replicas, as ``"ddp"``'s over its
-    # processes: a replica's tensor and pipeline peers hold one value, which a world-wide sum would count once per
-    # peer and a world-wide gather would repeat (``self.all_gather``, ``self.log(..., sync_dist=True)`` outside a step)
-    # (``LightningModule.all_gather`` passes the world group where the user named none: it counts as none)
+    # ``all_gather`` and ``reduce`` without a group (or with the world group ``LightningModule.all_gather`` passes) work
+    # over the data-parallel replicas, as ``"ddp"``'s over its processes: a replica's tensor and pipeline peers hold
+    # one value, which a world-wide sum would count once per peer and a world-wide gather would repeat
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         return super().all_gather(tensor, group=self._replicas(group), sync_grads=sync_grads)
@@ -570,9 +572,9 @@ class HybridStrategy(ParallelStrategy):
         The process groups themselves are destroyed at exit (see ``setup_environment``)."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
-        if self.lightning_module is not None and getattr(self, "_example_input_array", None) is not None:
-            self.lightning_module.example_input_array = self._example_input_array
         if self.lightning_module is not None:
+            if getattr(self, "_example_input_array", None) is not None:
+                self.lightning_module.example_input_array = self._example_input_array
             OptimizerStep.release_schedulers(self.lightning_module)
         # Bucket all-reduces are in flight only if a step raised; they are not waited for here, since the peers may
         # never join them (a wait would then block until the collective timeout instead of letting the job end).

@@ -295,22 +295,9 @@ def test_loops_callbacks_and_hooks_equal_ddp(shared_groups, case: dict[str, Any]
     _assert_weights_equal(result, reference, case["name"])
 
 
-_SUMMARY_CASES = [
-    pytest.param(
-        c,
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="known gap: under pipeline parallel ModelSummary"
-            " counts only the rank's own stages (docs/lightning-features.md)",
-        ),
-    )  # fmt: skip
-    if c["strategy"].get("pipeline_parallel_size", 1) > 1
-    else c
-    for c in LOOPS
-]
 
 
-@pytest.mark.parametrize("case", _SUMMARY_CASES, ids=[c["name"] for c in LOOPS])
+@pytest.mark.parametrize("case", LOOPS, ids=[c["name"] for c in LOOPS])
 def test_model_summary_counts_the_whole_model(shared_groups, case: dict[str, Any]) -> None:
     """Lightning's ModelSummary on every rank counts what ``"ddp"``'s does: the whole model's parameters, trainable
     ones (frozen embeddings left out) and each layer's, not one stage's or one shard's."""
