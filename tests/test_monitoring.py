@@ -360,9 +360,11 @@ MONITOR_METRICS = [
     "train/loss_scale", "train/skipped_steps", "throughput/tokens_per_s", "throughput/samples_per_s",
     "throughput/step_time_s", "memory/peak_bytes_max", "memory/peak_bytes_min",
     "memory/model_state_bytes_max", "memory/model_state_bytes_min", "comm/share", "comm/share_tensor",
-    "comm/share_pipeline", "comm/share_data", "pipeline/bubble_fraction",
+    "comm/share_pipeline", "comm/share_data", "pipeline/bubble_fraction", "throughput/flops_per_s",
+    "throughput/flops_per_s_per_device",
 ]  # fmt: skip
-# (plus ``throughput/mfu`` where the device's peak is known: never on CPU by Lightning's table, so only where given)
+# (plus ``throughput/mfu`` where the device's peak is known: never on CPU by Lightning's table, so only where given;
+# the achieved FLOP/s is logged without one)
 
 
 def test_offline_wandb_run_holds_every_metric_once_per_logging_step_and_the_layout(group: dict[str, Any]) -> None:
@@ -382,6 +384,10 @@ def test_offline_wandb_run_holds_every_metric_once_per_logging_step_and_the_layo
         assert row["comm/share_tensor"] == 0  # tp=1 here
         assert row["memory/peak_bytes_max"] >= row["memory/peak_bytes_min"] > 0
         assert row["throughput/tokens_per_s"] == pytest.approx(row["throughput/samples_per_s"] * 16)
+        # achieved FLOP/s without a known peak: FLOPs per token x tokens/s, and per rank
+        flops = row["throughput/tokens_per_s"] * _flops_per_token_of_tracked()
+        assert row["throughput/flops_per_s"] == pytest.approx(flops, rel=1e-6) and flops > 0
+        assert row["throughput/flops_per_s_per_device"] == pytest.approx(flops / 4, rel=1e-6)
     layout = run["config"]["lightning_hybrid"]
     assert layout["pipeline_parallel_size"] == 2 and layout["data_parallel_size"] == 2
     assert layout["tensor_parallel_size"] == 1 and layout["zero_stage"] == 1
@@ -430,6 +436,7 @@ def test_a_listed_monitor_is_not_added_twice_and_gets_mfu_from_a_given_peak(grou
     # MFU = FLOPs per token x tokens/s / (devices x peak), computed by Lightning's Throughput with a replica as device
     expected = metrics["throughput/tokens_per_s"] * _flops_per_token_of_tracked() / (WORLD * 1e11)
     assert metrics["throughput/mfu"] == pytest.approx(expected, rel=1e-9) and metrics["throughput/mfu"] > 0
+    assert metrics["throughput/flops_per_s_per_device"] == pytest.approx(expected * 1e11, rel=1e-9)
     header = next((group["out"] / "metrics").rglob("metrics.csv")).read_text().splitlines()[0].split(",")
     assert "train/loss" in header and "throughput/mfu" in header, header
 

@@ -42,7 +42,8 @@ class HybridMonitor(L.Callback):
     - ``trainer/global_step``, ``trainer/global_batch_index``, ``train/loss``, ``train/lr``, ``train/grad_norm``,
       ``train/loss_scale`` (1 without a scaler), ``train/skipped_steps``;
     - ``throughput/tokens_per_s``, ``throughput/samples_per_s`` (global), ``throughput/step_time_s`` (mean since the
-      last log), ``throughput/mfu`` (when the device peak is known or given);
+      last log), ``throughput/flops_per_s`` and ``throughput/flops_per_s_per_device`` (achieved model FLOP/s, also
+      on CPU), ``throughput/mfu`` (when the device peak is known or given);
     - ``memory/peak_bytes_max``, ``memory/peak_bytes_min`` (over ranks; CUDA allocator peak, or the process's peak
       RSS on CPU), ``memory/model_state_bytes_max``, ``memory/model_state_bytes_min``;
     - ``comm/share`` and ``comm/share_tensor|pipeline|data`` (seconds in collectives / step time, mean over ranks,
@@ -277,6 +278,9 @@ class HybridMonitor(L.Callback):
         }
         for d in DIMENSIONS:
             metrics[f"comm/share_{d}"] = sum(r["comm"][d] for r in everyone) / len(everyone)
+        if "flops_per_sec" in rates:  # achieved model FLOP/s of the whole run, and per device (rank)
+            metrics["throughput/flops_per_s"] = rates["flops_per_sec"]
+            metrics["throughput/flops_per_s_per_device"] = rates["flops_per_sec"] / trainer.world_size
         if "mfu" in rates:
             metrics["throughput/mfu"] = rates["mfu"]
         self.last_metrics = metrics
@@ -328,7 +332,8 @@ class HybridMonitor(L.Callback):
         self, pl_module: L.LightningModule, window: dict[str, Any], seconds: float
     ) -> dict[str, float]:
         """Feed the logging interval (this replica's samples and tokens, the slowest rank's seconds) to the
-        ``Throughput`` and return its global rates: ``samples_per_sec``, ``items_per_sec`` (tokens) and ``mfu``."""
+        ``Throughput`` and return its global rates: ``samples_per_sec``, ``items_per_sec`` (tokens),
+        ``flops_per_sec`` and ``mfu`` (with a known peak)."""
         throughput = self._throughput
         if throughput is None or window["samples"] == 0 or seconds <= 0:
             return {}  # a batch without a tensor to count, or no time passed: nothing to rate
@@ -337,7 +342,8 @@ class HybridMonitor(L.Callback):
         totals["batches"] += window["steps"]
         totals["samples"] += window["samples"]
         totals["lengths"] += window["tokens"]
-        flops = self._flops_per_token(pl_module) * window["tokens"] if throughput.available_flops else None
+        # FLOPs whenever the step's count is known, also without a peak (CPUs): FLOP/s is logged there, MFU is not
+        flops = self._flops_per_token(pl_module) * window["tokens"]
         throughput.update(
             time=totals["time"], batches=totals["batches"], samples=totals["samples"], lengths=totals["lengths"],
             flops=flops,
@@ -347,6 +353,8 @@ class HybridMonitor(L.Callback):
         rates = {
             k: float(computed.get(k, computed.get(f"device/{k}", 0.0))) for k in ("samples_per_sec", "items_per_sec")
         }
+        if "device/flops_per_sec" in computed:  # one replica's; all replicas' is that times the replicas
+            rates["flops_per_sec"] = float(computed.get("flops_per_sec", computed["device/flops_per_sec"]))
         if "device/mfu" in computed:
             rates["mfu"] = float(computed["device/mfu"])
         return rates
