@@ -295,8 +295,6 @@ def test_loops_callbacks_and_hooks_equal_ddp(shared_groups, case: dict[str, Any]
     _assert_weights_equal(result, reference, case["name"])
 
 
-
-
 @pytest.mark.parametrize("case", LOOPS, ids=[c["name"] for c in LOOPS])
 def test_model_summary_counts_the_whole_model(shared_groups, case: dict[str, Any]) -> None:
     """Lightning's ModelSummary on every rank counts what ``"ddp"``'s does: the whole model's parameters, trainable
