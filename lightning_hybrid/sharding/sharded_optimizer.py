@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_hybrid._torch_compat import tensor_version
 from lightning_hybrid.dtensor import autograd_local_grad, local_bytes, local_grad, local_tensor
 from lightning_hybrid.sharding.buckets import GradientBuckets
 from lightning_hybrid.sharding.flat import (
@@ -102,6 +103,8 @@ class ShardedOptimizer:
                 master = nn.Parameter(self._master_shard(params, start, shard, master_dtype))
                 param_group["params"] = [master]
             self.groups.append(FlatGroup(params, numel, shard, master))
+        # the parameters' version counters when the masters last matched them (take_parameter_writes)
+        self._gathered_versions = [_versions(g.params) for g in self.groups]
         if self.uses_masters:
             optimizer.state.clear()  # state of full parameters (if any) no longer matches the shards
             self._clear_model_gradients_on_zero_grad(optimizer)
@@ -238,14 +241,15 @@ class ShardedOptimizer:
     @torch.no_grad()
     def take_parameter_writes(self) -> None:
         """Weights written since the last step (a user's EMA or weight-averaging callback, a hook) reach the masters
-        the optimizer steps; otherwise the step's gather overwrote them with the old values. Masters of the
-        parameters' own dtype take this rank's shard of the parameters (an exact copy: unwritten, they are equal).
-        Not done for fp32 masters of lower-precision parameters ('-true' precisions: the masters hold what the
-        parameters' rounding lost) nor for host masters (offload: the copy would cross to the host every step)."""
-        for g in self.groups:
+        the optimizer steps; otherwise the step's gather overwrote them with the old values. Only groups whose
+        parameters were written since the gather (autograd's version counter moved) are copied: this rank's shard of
+        the parameters, exact (unwritten, they are equal), into a master of the parameters' own dtype. Not done for
+        fp32 masters of lower-precision parameters ('-true' precisions: the masters hold what the parameters'
+        rounding lost) nor for host masters (offload: the copy would cross to the host every step)."""
+        for g, seen in zip(self.groups, self._gathered_versions):
             if g.master is None or g.master.device != local_tensor(g.params[0]).device:
                 continue
-            if any(local_tensor(p).dtype != g.master.dtype for p in g.params):
+            if seen == _versions(g.params) or any(local_tensor(p).dtype != g.master.dtype for p in g.params):
                 continue
             start = self.dp_rank * g.shard_size if self.sharded else 0
             g.master.copy_(self._master_shard(g.params, start, g.shard_size, None))
@@ -333,6 +337,7 @@ class ShardedOptimizer:
                 all_gather_flat(full, updated, group=self.group)
             unflatten_into([local_tensor(p) for p in g.params], full[: g.numel])
             g.master.grad = None
+        self._gathered_versions = [_versions(g.params) for g in self.groups]  # what take_parameter_writes compares
         self._release_buffers(free=False)
         self._flat_grads = []
 
@@ -389,3 +394,8 @@ class ShardedOptimizer:
             else:
                 total += sum(local_bytes(p.grad) for p in g.params if p.grad is not None)
         return total
+
+
+def _versions(params: list[nn.Parameter]) -> tuple[int, ...]:
+    """The version counters of ``params``' local tensors: they move on every in-place write (ours and a user's)."""
+    return tuple(tensor_version(local_tensor(p)) for p in params)
