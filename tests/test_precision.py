@@ -28,7 +28,7 @@ BATCH = 4
 NANOGPT = {"bias": False}
 LAYOUT_3D = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
 INJECT_STEP, INJECT_RANK = 2, 5
-MIXED_STEPS = 50
+MIXED_STEPS = 25
 
 
 def _scenario(name: str, strategy: dict[str, Any], dp: int, steps: int, **extra: Any) -> dict[str, Any]:

@@ -34,7 +34,8 @@ LAYOUTS: list[dict[str, Any]] = [
      "save": True},
     {"name": "tp2-pp2", "devices": 4, "strategy": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}},
 ]  # fmt: skip
-RUNS = 20  # the layouts in turn; the 4-process one (the costliest) once
+# each 2-process layout both ways (all ranks at once, and Lightning-launched), the 4-process one (the costliest) once
+RUNS = 2 * (len(LAYOUTS) - 1) + 1
 ORDER = [i % (len(LAYOUTS) - 1) for i in range(RUNS - 1)] + [len(LAYOUTS) - 1]
 # a pipeline run that ends in a configuration error inside the first step (4 micro-batches of a batch of 6): it must
 # exit with the error, not abort after it
