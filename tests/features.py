@@ -73,6 +73,9 @@ class FeatureGPT(NanoGPT):
         self.log("train_loss_mean_metric", self.train_loss_mean, on_step=True, on_epoch=True)
         for fx in ("sum", "mean", "max", "min"):
             self.log(f"train_loss_{fx}", loss, on_step=True, on_epoch=True, reduce_fx=fx, sync_dist=True)
+        # an explicit batch size: the epoch mean weighs each step by it (a pipeline's micro-batches must report the
+        # batch's, not their own)
+        self.log("train_loss_sized", loss, on_step=True, on_epoch=True, batch_size=len(batch[0]))
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -83,11 +86,14 @@ class FeatureGPT(NanoGPT):
         self.log("val_correct", self.val_correct)
         for fx in ("sum", "mean", "max", "min"):
             self.log(f"val_loss_{fx}", loss, reduce_fx=fx, sync_dist=True)
+        # batches of 4 and 1: two micro-batches and one under a pipeline, weighed by the batch's size as under ddp
+        self.log("val_loss_sized", loss, batch_size=len(batch[0]), sync_dist=True)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         _, _, loss = self._logits_loss(batch)
         self.log("test_loss", loss, sync_dist=True)
         self.log("test_loss_max", loss, reduce_fx="max", sync_dist=True)
+        self.log("test_loss_sized", loss, batch_size=len(batch[0]))
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, _ = batch

@@ -522,13 +522,23 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _by_name(per_microbatch: list[list[LogRecord]]) -> dict[str, tuple[list[Any], tuple, dict]]:
-    """Each logged name's values over the micro-batches, with the arguments of its first record, in first-logged
-    order (what both the tensor path and the object path of ``_share_results`` merge)."""
-    merged: dict[str, tuple[list[Any], tuple, dict]] = {}
+def _by_name(per_microbatch: list[list[LogRecord]]) -> dict[str, tuple[list[Any], list[float], tuple, dict]]:
+    """Each logged name's values over the micro-batches, their weights in the batch's mean, and the arguments to log
+    the merged value with, in first-logged order (what both the tensor path and the object path of
+    ``_share_results`` merge). A value logged with ``batch_size=`` weighs by it and is logged with the micro-batches'
+    total: Lightning weights a step's value by its batch size in the epoch mean, and the batch is the micro-batches
+    together (one record's size, the micro-batch's, made a short last batch weigh too much in that mean)."""
+    merged: dict[str, tuple[list[Any], list[float], tuple, dict]] = {}
     for records in per_microbatch:
         for name, value, args, kwargs in records:
-            merged.setdefault(name, ([], args, kwargs))[0].append(value)
+            values, weights, _, _ = merged.setdefault(name, ([], [], args, kwargs))
+            values.append(value)
+            weights.append(kwargs.get("batch_size"))
+    for name, (values, weights, args, kwargs) in merged.items():
+        if all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in weights):
+            merged[name] = (values, weights, args, {**kwargs, "batch_size": sum(weights)})
+        else:  # no batch size given (or not a positive number): a plain mean, Lightning sizes the batch itself
+            merged[name] = (values, [1] * len(values), args, kwargs)
     return merged
 
 
@@ -542,20 +552,23 @@ def _scalar_means(
     if len(merged) != len(schema):
         return None
     means = []
-    for (name, args, kwargs), (merged_name, (values, merged_args, merged_kwargs)) in zip(schema, merged.items()):
+    for (name, args, kwargs), (merged_name, (values, weights, merged_args, merged_kwargs)) in zip(
+        schema, merged.items()
+    ):
         if name != merged_name or not _same(args, merged_args) or not _same(kwargs, merged_kwargs):
             return None
         column = []
-        for v in values:
+        for v, w in zip(values, weights):
             if isinstance(v, Tensor):
                 if v.numel() != 1 or v.is_complex():
                     return None
-                column.append(v.reshape(1).to(device=device, dtype=torch.float64))
+                column.append(v.reshape(1).to(device=device, dtype=torch.float64) * w)
             elif isinstance(v, (float, int)) and not isinstance(v, bool):
-                column.append(torch.tensor([float(v)], dtype=torch.float64, device=device))
+                column.append(torch.tensor([float(v) * w], dtype=torch.float64, device=device))
             else:
                 return None
-        means.append((torch.cat(column).sum() / len(column)) if len(column) > 1 else column[0].reshape(()))
+        total = sum(weights)
+        means.append((torch.cat(column).sum() / total) if len(column) > 1 else column[0].reshape(()) / total)
     return means
 
 
@@ -568,12 +581,12 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def _merge_records(per_microbatch: list[list[tuple[str, Any, tuple, dict]]]) -> list[tuple[str, Any, tuple, dict]]:
-    """One record per logged name: the mean over micro-batches (as a single-device step over the whole batch would
-    give for a mean-reduced quantity), in first-logged order."""
+    """One record per logged name: the mean over micro-batches, weighted by their ``batch_size`` where one is logged
+    (as a single-device step over the whole batch would give for a mean-reduced quantity), in first-logged order."""
     out = []
-    for name, (values, args, kwargs) in _by_name(per_microbatch).items():
+    for name, (values, weights, args, kwargs) in _by_name(per_microbatch).items():
         if all(isinstance(v, (Tensor, float, int)) and not isinstance(v, bool) for v in values):
-            value: Any = float(sum(float(v) for v in values) / len(values))
+            value: Any = float(sum(float(v) * w for v, w in zip(values, weights)) / sum(weights))
             if not math.isfinite(value):
                 value = float("nan") if math.isnan(value) else value
         else:
