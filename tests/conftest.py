@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -51,25 +53,54 @@ def assert_clean_exit(proc: subprocess.CompletedProcess) -> None:
     assert "object at 0x" not in proc.stderr, proc.stderr[-3000:]
 
 
-def launch(world: int, scenarios: list[dict[str, Any]], out_dir: Path, timeout: float) -> LaunchResult:
-    """Run ``scenarios`` in one ``torchrun`` group of ``world`` CPU processes, with a hard timeout."""
+def launch(
+    world: int, scenarios: list[dict[str, Any]], out_dir: Path, timeout: float, niceness: int = 0
+) -> LaunchResult:
+    """Run ``scenarios`` in one ``torchrun`` group of ``world`` CPU processes, with a hard timeout (``niceness``: the
+    group's scheduling priority below this process's, for a launch running behind other tests)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "spec.json"
     spec.write_text(json.dumps(scenarios))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--standalone",
            str(ROOT / "tests" / "worker.py"), str(spec), str(out_dir)]  # fmt: skip
+    # a session of its own: a timeout or the end of the test session kills the agent and its ranks together
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
+    )  # fmt: skip
+    RUNNING.add(proc)
     try:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        return LaunchResult(out_dir, proc.stdout + proc.stderr, proc.returncode)
-    except subprocess.TimeoutExpired as e:
-        log = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return LaunchResult(out_dir, f"TIMEOUT after {timeout}s (a hang)\n{log}", -1)
+        out, err = proc.communicate(timeout=timeout)
+        return LaunchResult(out_dir, out + err, proc.returncode)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        return LaunchResult(out_dir, f"TIMEOUT after {timeout}s (a hang)\n{out}{err}", -1)
+    finally:
+        RUNNING.discard(proc)
+
+
+# launches in flight, killed (with their ranks) if the session ends first
+RUNNING: set[subprocess.Popen] = set()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
 
 
 # Scenarios of every test module, by world size: each world is launched once per session (process start-up of torch
-# and Lightning is the expensive part on CPU), whichever test asks first. Modules register at import (collection).
+# and Lightning is the expensive part on CPU). Modules register at import (collection).
 SHARED: dict[int, list[dict[str, Any]]] = {}
+# the worlds each test module registered scenarios in: a session launches those of the modules it runs tests of
+REGISTERED_BY: dict[str, set[int]] = {}
+# The launches run behind the other tests, at a lower priority: the tests that read them run last (see
+# pytest_collection_modifyitems), and the launches use the CPU the tests that start their own processes leave idle
+# while they start, wait or exit (a quarter of two cores, measured); the shared launches alone keep both cores busy.
+_BACKGROUND_NICENESS = 10
 # seconds a shared launch may take per scenario (8 CPU processes on 2 cores; most scenarios take 5-20 s)
 _SECONDS_PER_SCENARIO = 60
 
@@ -135,27 +166,40 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--scenarios``: deselect the tests parametrized by a scenario (or its name) the session leaves out."""
+    """Under ``--scenarios``: deselect the tests parametrized by a scenario (or its name) the session leaves out. Then
+    the tests that read the shared launches go last (in their order), so the launches can run behind the others."""
+    from tests.conftest import REGISTERED_BY as registrars
     from tests.conftest import SHARED as registered
 
-    if not SCENARIO_PATTERNS:
-        return
-    known = {s["name"] for group in registered.values() for s in group}
+    if SCENARIO_PATTERNS:
+        known = {s["name"] for group in registered.values() for s in group}
 
-    def reads_left_out(item: pytest.Item) -> bool:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        names = [v.get("name") if isinstance(v, dict) else v for v in params.values() if isinstance(v, (dict, str))]
-        return any(isinstance(n, str) and n in known and not launched(n) for n in names)
+        def reads_left_out(item: pytest.Item) -> bool:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            names = [v.get("name") if isinstance(v, dict) else v for v in params.values() if isinstance(v, (dict, str))]
+            return any(isinstance(n, str) and n in known and not launched(n) for n in names)
 
-    left_out = [item for item in items if reads_left_out(item)]
-    if left_out:
-        config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if item not in left_out]
+        left_out = [item for item in items if reads_left_out(item)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item not in left_out]
+    readers = [item for item in items if "shared_groups" in getattr(item, "fixturenames", ())]
+    items[:] = [item for item in items if item not in set(readers)] + readers
+    worlds = {w for item in readers for w in registrars.get(getattr(item.module, "__name__", ""), ())}
+    import tests.conftest as registry  # both copies, as pytest_configure sets them
+
+    needed = sorted(w for w in worlds if any(launched(s["name"]) for s in registered.get(w, [])))
+    NEEDED_WORLDS[:] = registry.NEEDED_WORLDS[:] = needed
+
+
+# the worlds the selected tests read, smallest first: launched in that order behind the other tests
+NEEDED_WORLDS: list[int] = []
 
 
 def share(world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Add ``scenarios`` to the session's launch of ``world`` processes; returns them."""
     group = SHARED.setdefault(world, [])
+    REGISTERED_BY.setdefault(sys._getframe(1).f_globals.get("__name__", ""), set()).add(world)
     taken = {s["name"]: s for s in group}
     # a module imported twice (as a test file and by another module) registers the same scenarios again: keep one
     clashes = [s["name"] for s in scenarios if s["name"] in taken and taken[s["name"]] != s]
@@ -164,24 +208,70 @@ def share(world: int, scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return scenarios
 
 
-@pytest.fixture(scope="session")
-def shared_groups(tmp_path_factory: pytest.TempPathFactory):
-    """``get(world)``: the results of every registered scenario of that world, launched once (lazily)."""
-    cache: dict[int, LaunchResult] = {}
+class _BackgroundLaunches:
+    """The session's shared launches, one after another in a thread, each at a lower priority than the tests; a
+    world the thread does not launch is launched when first read."""
 
-    def get(world: int) -> LaunchResult:
-        if world not in cache:
-            # pytest may import this file as `conftest` while test modules import `tests.conftest`: read the copy they
-            # registered into
-            from tests.conftest import SHARED as registered
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.results: dict[int, Future] = {}
+        self._lock = threading.Lock()
 
+    def start(self, worlds: list[int]) -> None:
+        threading.Thread(target=self._run_all, args=(worlds,), daemon=True, name="shared-launches").start()
+
+    def get(self, world: int) -> LaunchResult:
+        future, mine = self._claim(world)
+        if mine:
+            self._run(world, future, niceness=0)
+        return future.result()
+
+    def _claim(self, world: int) -> tuple[Future, bool]:
+        """The world's result, and whether the caller is the one to launch it."""
+        with self._lock:
+            if world in self.results:
+                return self.results[world], False
+            future = self.results[world] = Future()
+            return future, True
+
+    def _run_all(self, worlds: list[int]) -> None:
+        for world in worlds:
+            future, mine = self._claim(world)
+            if mine:
+                self._run(world, future, niceness=_BACKGROUND_NICENESS)
+
+    def _run(self, world: int, future: Future, niceness: int) -> None:
+        # pytest may import this file as `conftest` while test modules import `tests.conftest`: read the copy they
+        # registered into
+        from tests.conftest import SHARED as registered
+
+        try:
             scenarios = [s for s in registered[world] if launched(s["name"])]
             timeout = max(900, _SECONDS_PER_SCENARIO * len(scenarios))
-            cache[world] = launch(world, scenarios, tmp_path_factory.mktemp(f"shared{world}"), timeout=timeout)
-            LAUNCHED[world] = cache[world]
-        return cache[world]
+            result = launch(world, scenarios, self.base / f"shared{world}", timeout=timeout, niceness=niceness)
+            LAUNCHED[world] = result
+            future.set_result(result)
+        except BaseException as error:  # a test that reads it reports it
+            future.set_exception(error)
 
-    return get
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_launches(tmp_path_factory: pytest.TempPathFactory):
+    """Starts the session's shared launches behind the first test (every world the selected tests read)."""
+    launches = _BackgroundLaunches(tmp_path_factory.mktemp("shared"))
+    from tests.conftest import NEEDED_WORLDS as needed
+
+    launches.start(list(needed))
+    yield launches
+    for proc in list(RUNNING):  # the session ended before a launch did (-x, ^C): no rank outlives it
+        _kill_group(proc)
+
+
+@pytest.fixture(scope="session")
+def shared_groups(_shared_launches: _BackgroundLaunches):
+    """``get(world)``: the results of every registered scenario of that world, launched once (behind the tests that
+    do not read them)."""
+    return _shared_launches.get
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
