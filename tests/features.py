@@ -235,7 +235,12 @@ class LoopGPT(NanoGPT):
         return None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        with torch.no_grad():  # a region outside autograd, on the network's output
+            accuracy = (logits.argmax(-1) == y).float().mean()
+        self.log("train_accuracy_no_grad", accuracy, on_step=True, on_epoch=True, sync_dist=True)
         self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
         self.log_dict({"train_loss_sum": loss}, on_step=False, on_epoch=True, reduce_fx="sum", sync_dist=True)
         return loss
@@ -347,7 +352,13 @@ def run_loops(scenario: dict[str, Any], out_dir: Path) -> None:
     value clipping, ModelCheckpoint (monitor, top-k, last) with EarlyStopping and LearningRateMonitor, ModelSummary,
     an EMA callback, a CSV logger, the user's sampler in a DataModule; then ``validate`` on both loaders and
     ``predict`` through a ``BasePredictionWriter`` without returned predictions. Rank 0 saves every rank's record."""
-    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.callbacks import (
+        EarlyStopping,
+        GradientAccumulationScheduler,
+        LearningRateMonitor,
+        ModelCheckpoint,
+        Timer,
+    )
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_hybrid import HybridStrategy
@@ -363,6 +374,12 @@ def run_loops(scenario: dict[str, Any], out_dir: Path) -> None:
         filename="{epoch}-{step}",
     )  # fmt: skip
     stopping = EarlyStopping(monitor=LOOP_MONITOR, patience=2)
+    # every second optimizer step, all kept (a second ModelCheckpoint beside the monitoring one)
+    periodic = ModelCheckpoint(
+        dirpath=str(directory / "periodic"), every_n_train_steps=2, save_top_k=-1, filename="{epoch}-{step}"
+    )
+    # the second epoch accumulates 2 batches a step (its last batch, the third, is left over when the epoch ends)
+    accumulation = GradientAccumulationScheduler(scheduling={1: 2})
     ema, summary, writer = ParameterEMA(), _RecordedSummary(max_depth=2), _WrittenPredictions()
     recording = _RecordingLogger()
     trainer = L.Trainer(
@@ -370,8 +387,18 @@ def run_loops(scenario: dict[str, Any], out_dir: Path) -> None:
         devices=world,
         strategy=strategy,
         logger=[CSVLogger(save_dir=str(directory), name="csv", version=0), recording],
-        callbacks=[checkpoint, stopping, LearningRateMonitor(logging_interval="step"), ema, summary, writer],
+        callbacks=[
+            checkpoint,
+            periodic,
+            stopping,
+            LearningRateMonitor(logging_interval="step"),
+            accumulation,
+            ema,
+            summary,
+            writer,
+        ],
         max_epochs=EPOCHS,
+        max_time={"hours": 1},  # Lightning's Timer callback: it must count, and not stop the fit
         limit_train_batches=TRAIN_BATCHES,
         limit_val_batches=VAL_BATCHES,
         val_check_interval=0.5,
@@ -400,6 +427,11 @@ def run_loops(scenario: dict[str, Any], out_dir: Path) -> None:
             "best": Path(checkpoint.best_model_path).name,
             "last": Path(checkpoint.last_model_path).name,
             "saved": sorted(p.name for p in (directory / "checkpoints").iterdir()),
+            "periodic": sorted(p.name for p in (directory / "periodic").iterdir()),
+        },
+        "timer": {
+            "counted": any(isinstance(c, Timer) and c.time_elapsed("train") > 0 for c in trainer.callbacks),
+            "steps": trainer.global_step,
         },
         "stopping": {
             "wait": stopping.wait_count,

@@ -214,6 +214,8 @@ _3D = {**_PP2, "tensor_parallel_size": 2, **_PLAIN_LOGITS}
 LOOPS_REFERENCE = _loops("ddp-dp2", 2, "ddp")
 LOOPS = [
     _loops("dp2-zero3", 2, {"zero_stage": 3, **_NO_MONITOR}),
+    _loops("dp2-zero1", 2, {"zero_stage": 1, **_NO_MONITOR}),
+    _loops("tp2-dp2", 4, {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR}),
     _loops("pp2-dp2-1f1b", 4, {**_PP2, **_NO_MONITOR}),
     _loops("2x2x2", 8, {**_3D, **_NO_MONITOR}),
 ]
@@ -285,8 +287,9 @@ def test_loops_callbacks_and_hooks_equal_ddp(shared_groups, case: dict[str, Any]
             _assert_values_equal(got_loader, want_loader, f"{where}, trainer.validate")
         assert got["returned"] is None and want["returned"] is None, f"{where}: return_predictions=False"
         assert torch.equal(got["written"], want["written"]), f"{where}: written predictions differ from ddp's"
-        for name in ("best", "last", "saved"):
+        for name in ("best", "last", "saved", "periodic"):
             assert got["checkpoint"][name] == want["checkpoint"][name], f"{where}: ModelCheckpoint {name}"
+        assert got["timer"] == want["timer"] and got["timer"]["counted"], f"{where}: max_time's Timer, steps"
         _assert_values_equal(got["checkpoint"]["best_k"], want["checkpoint"]["best_k"], f"{where}: top-k scores")
         assert got["stopping"]["wait"] == want["stopping"]["wait"], f"{where}: EarlyStopping wait count"
         assert got["stopping"]["stopped_epoch"] == want["stopping"]["stopped_epoch"], f"{where}: EarlyStopping"
@@ -308,7 +311,8 @@ def test_model_summary_counts_the_whole_model(shared_groups, case: dict[str, Any
 
 def test_loops_reference_exercises_what_the_matrix_claims(shared_groups) -> None:
     """The ``"ddp"`` run of the loops module really lowers the rate, logs both loaders and the epoch-end values,
-    keeps two checkpoints and a last one, ends the second epoch early, and its CSV has one row per logged step."""
+    keeps two checkpoints and a last one (and periodic ones), accumulates in the second epoch and ends it early,
+    counts time for ``max_time``, and its CSV has one row per logged step."""
     if not launched(LOOPS_REFERENCE["name"]):
         pytest.skip("the ddp reference is not launched in this pytest run (--scenarios)")
     reference = shared_groups(2).get(LOOPS_REFERENCE["name"])["per_rank"]
@@ -322,11 +326,16 @@ def test_loops_reference_exercises_what_the_matrix_claims(shared_groups) -> None
     assert min(rates) < max(rates), "ReduceLROnPlateau never lowered the rate"
     assert reference[0]["checkpoint"]["last"] == "last.ckpt" and len(reference[0]["checkpoint"]["best_k"]) == 2
     train_steps = sorted({step for step, row in rows if "train_loss_step" in row})
-    assert len(train_steps) == 4 + 3, train_steps  # the second epoch ends before its fourth batch
+    # the first epoch's 4 optimizer steps; the second accumulates 2 batches a step (GradientAccumulationScheduler)
+    # and ends before its fourth batch: one step, the third batch left over
+    assert len(train_steps) == 4 + 1, train_steps
     assert {row["gathered_rows"] for _, row in rows if "gathered_rows" in row} == {2.0}
     assert reference[0]["summary"]["trainable"] < reference[0]["summary"]["total"]  # frozen embeddings
     csv_steps = [line.split(",") for line in reference[0]["csv"].splitlines()[1:]]
     assert len(csv_steps) > len(train_steps)
+    assert "train_accuracy_no_grad_epoch" in names
+    assert len(reference[0]["checkpoint"]["periodic"]) >= 2, reference[0]["checkpoint"]["periodic"]
+    assert reference[0]["timer"]["counted"]
 
 
 @pytest.mark.parametrize(
