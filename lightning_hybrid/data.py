@@ -75,8 +75,13 @@ def skip_finished_batches(dataloader: Any, trainer: Any) -> Any:
         [1, 2, 3]
     """
     done = finished_batches_of_epoch(trainer)
-    size = len(dataloader) if hasattr(dataloader, "__len__") else None
-    if 0 < done and (size is None or done < size):
+    if done <= 0:
+        return dataloader
+    try:
+        size = len(dataloader)
+    except TypeError:  # a DataLoader over an IterableDataset without __len__ has the method, and raises
+        size = None
+    if size is None or done < size:
         return SkipOnResume(dataloader, done)
     return dataloader
 

@@ -499,4 +499,15 @@ def run_manual(scenario: dict[str, Any], out_dir: Path) -> None:
     _save_per_rank(record, world, out_dir / f"{scenario['name']}.pt")
 
 
-RUNNERS = {"features": run_features, "feature_loops": run_loops, "feature_manual": run_manual}
+def _run_data(scenario: dict[str, Any], out_dir: Path) -> None:
+    from tests.features_data import run_data  # it builds on this module
+
+    run_data(scenario, out_dir)
+
+
+RUNNERS = {
+    "features": run_features,
+    "feature_loops": run_loops,
+    "feature_manual": run_manual,
+    "feature_data": _run_data,
+}

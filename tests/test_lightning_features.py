@@ -205,6 +205,10 @@ def _loops(name: str, world: int, strategy: Any, **extra: Any) -> dict[str, Any]
     return {**_case(f"loops-{name}", world, strategy), "runner": "feature_loops", **extra}
 
 
+def _data(name: str, world: int, strategy: Any) -> dict[str, Any]:
+    return {**_case(f"data-{name}", world, strategy), "runner": "feature_data"}
+
+
 def _manual(name: str, world: int, strategy: Any, **extra: Any) -> dict[str, Any]:
     return {**_case(f"manual-{name}", world, strategy), "runner": "feature_manual", **extra}
 
@@ -230,6 +234,15 @@ MANUAL = [
 ]
 MANUAL_REFUSED = [_manual("2x2x2", 8, {**_3D, **_NO_MONITOR}, expect_error=True)]
 REFUSED = LOOPS_REFUSED + MANUAL_REFUSED
+DATA_REFERENCE = _data("ddp-dp2", 2, "ddp")
+DATA = [
+    _data("dp2-zero3", 2, {"zero_stage": 3, **_NO_MONITOR}),
+    _data("pp2-dp2-1f1b", 4, {**_PP2, **_NO_MONITOR}),
+    _data("2x2x2", 8, {**_3D, **_NO_MONITOR}),
+]
+share(2, [DATA_REFERENCE])
+for _world in (2, 4, 8):
+    share(_world, [c for c in DATA if c["world"] == _world])
 share(2, [LOOPS_REFERENCE, MANUAL_REFERENCE])
 for _world in (2, 4, 8):
     share(_world, [c for c in LOOPS + LOOPS_REFUSED + MANUAL + MANUAL_REFUSED if c["world"] == _world])
@@ -377,3 +390,38 @@ def test_manual_optimization_two_optimizers_equal_ddp(shared_groups, case: dict[
     for rank, got in enumerate(result):
         _assert_rows_equal(got, reference[got["data_rank"]], f"{case['name']} rank {rank}")
     _assert_weights_equal(result, reference, case["name"])
+
+
+@pytest.mark.parametrize("case", DATA, ids=[c["name"] for c in DATA])
+def test_data_features_equal_ddp(shared_groups, case: dict[str, Any]) -> None:
+    """Two training loaders in a ``CombinedLoader`` (one map-style with Lightning's sampler, one ``IterableDataset``
+    the user shards by ``distributed_sampler_kwargs``), ``check_val_every_n_epoch=2``, then a fit with
+    ``overfit_batches=2``: every rank logs what the ``"ddp"`` rank of its data-parallel index logs, and the weights
+    after each fit agree."""
+    if not launched(DATA_REFERENCE["name"]):
+        pytest.skip("the ddp reference is not launched in this pytest run (--scenarios)")
+    reference = shared_groups(2).get(DATA_REFERENCE["name"])["per_rank"]
+    result = shared_groups(case["world"]).get(case["name"])["per_rank"]
+    assert len(result) == case["world"]
+    for rank, got in enumerate(result):
+        want = reference[got["data_rank"]]
+        for fit in ("combined", "overfit"):
+            where = f"{case['name']} rank {rank}, {fit} fit"
+            _assert_rows_equal({"rows": got[f"{fit}_rows"]}, {"rows": want[f"{fit}_rows"]}, where)
+            _assert_values_equal(got[f"{fit}_metrics"], want[f"{fit}_metrics"], f"{where}, callback metrics")
+    combined = [{"params": got["combined_params"]} for got in result]
+    _assert_weights_equal(combined, [{"params": reference[0]["combined_params"]}], f"{case['name']}, combined fit")
+    _assert_weights_equal(result, reference, f"{case['name']}, overfit fit")
+
+
+def test_data_reference_exercises_what_the_matrix_claims(shared_groups) -> None:
+    """The ``"ddp"`` run of the data module validates only in its second epoch, trains on both loaders, and
+    ``overfit_batches=2`` gives 2 optimizer steps an epoch."""
+    if not launched(DATA_REFERENCE["name"]):
+        pytest.skip("the ddp reference is not launched in this pytest run (--scenarios)")
+    reference = shared_groups(2).get(DATA_REFERENCE["name"])["per_rank"][0]
+    combined = reference["combined_rows"]
+    validated_at = sorted({step for step, row in combined if "val_loss_epoch" in row})
+    assert len(validated_at) == 1 and validated_at[0] >= 3, validated_at  # after the second epoch's steps only
+    assert len({step for step, row in combined if "train_loss_step" in row}) == 2 * 3
+    assert len({step for step, row in reference["overfit_rows"] if "train_loss_step" in row}) == 2 * 2

@@ -387,7 +387,7 @@ def main() -> None:
                 from tests.deepspeed_source import record
 
                 record(scenario, out_dir)
-            elif scenario.get("runner") in ("features", "feature_loops", "feature_manual"):  # tests/features.py
+            elif str(scenario.get("runner", "")).startswith("feature"):  # tests/features.py
                 from tests.features import RUNNERS
 
                 RUNNERS[scenario["runner"]](scenario, out_dir)
