@@ -17,6 +17,7 @@ import torch
 
 from lightning_hybrid import HybridConfigError
 from tests.conftest import assert_clean_exit, console_script, relative_error, share
+from tests.test_foundation import STEPS
 
 TOL = 1e-5
 MIXED_TOL = 0.02
@@ -29,7 +30,7 @@ PIPELINE_2X2 = {
 }
 
 
-def _scenario(name: str, strategy: dict[str, Any], dp: int, steps: int = 10, **extra: Any) -> dict[str, Any]:
+def _scenario(name: str, strategy: dict[str, Any], dp: int, steps: int = STEPS, **extra: Any) -> dict[str, Any]:
     # the dict shape of tests/test_foundation.py's scenario(): identical baselines are launched once per session
     kwargs = {**NANOGPT, **extra.pop("model_kwargs", {})}
     return {"name": name, "model": extra.pop("model", "nanogpt"), "model_kwargs": kwargs, "strategy": strategy,
