@@ -22,8 +22,8 @@ from lightning_hybrid import HybridConfigError
 from lightning_hybrid.structure import block_list_needed_by, find_model_structure
 from tests.conftest import relative_error, share
 from tests.harness import run_reference
+from tests.test_foundation import STEPS
 
-STEPS = 10
 BATCH = 4
 TOL = 1e-5
 MODEL_KWARGS = {"cnn": {"bn_replicas": 2}, "mlp": {}}

@@ -22,7 +22,7 @@ from lightning_hybrid.precision import DynamicLossScaler, LossScaleError
 from lightning_hybrid.sharding import expected_model_state_bytes
 from tests.conftest import relative_error, share
 from tests.harness import run_reference
-from tests.test_foundation import assert_parity
+from tests.test_foundation import STEPS, assert_parity
 
 BATCH = 4
 NANOGPT = {"bias": False}
@@ -111,7 +111,7 @@ CLIP_VALUE = _scenario(
     "clip-value-2x2x2-zero1",
     {**LAYOUT_3D, "zero_stage": 1},
     2,
-    10,
+    STEPS,
     trainer={"gradient_clip_val": 2e-3, "gradient_clip_algorithm": "value"},
 )
 
