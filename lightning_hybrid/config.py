@@ -57,9 +57,11 @@ def check_sizes(
     data_parallel_size: Any,
     zero_stage: Any,
     sequence_parallel: bool = False,
+    expert_parallel_size: Any = 1,
 ) -> None:
     """The checks that need no world size (run in the strategy's constructor, on every rank alike)."""
     tp = check_positive_int("tensor_parallel_size", tensor_parallel_size)
+    check_positive_int("expert_parallel_size", expert_parallel_size)
     check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
     if data_parallel_size != "auto":
         check_positive_int("data_parallel_size", data_parallel_size)

@@ -7,6 +7,8 @@ Each works on plain tensors too (as themselves), so callers need not branch on `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 from torch import Tensor, nn
@@ -21,6 +23,7 @@ __all__ = [
     "like",
     "local_bytes",
     "local_grad",
+    "local_parameters",
     "local_tensor",
     "to_plain",
     "unstrided",
@@ -154,3 +157,27 @@ def full_tensor(t: Tensor) -> Tensor:
     if is_fused(t):
         return unstrided(t).full_tensor().reshape(t.shape)
     return t.full_tensor()
+
+
+@contextmanager
+def local_parameters(module: nn.Module) -> Iterator[None]:
+    """Run ``module``'s own forward with each DTensor parameter replaced by its local shard.
+
+    torch has no public "forward with these tensors in place of the parameters" that does not re-enter the module's
+    ``__call__`` (``torch.func.functional_call`` would run its hooks twice), so the direct parameters are swapped by
+    attribute, every one of them, and put back in their order: parameter order is what optimizers and checkpoints see.
+    """
+    params = list(module.named_parameters(recurse=False))
+    for name, _ in params:
+        delattr(module, name)
+    try:
+        for name, param in params:
+            # a view: the local tensor of a DTensor parameter carries the flag that makes it pass for a Parameter
+            setattr(module, name, param.to_local().view_as(param.to_local()) if isinstance(param, DTensor) else param)
+        yield
+    finally:
+        for name, _ in params:
+            if hasattr(module, name):
+                delattr(module, name)
+        for name, param in params:
+            module.register_parameter(name, param)

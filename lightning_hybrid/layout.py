@@ -41,6 +41,7 @@ class LayoutRequest:
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
     zero_stage: int = 1
     sequence_parallel: bool = False
+    expert_parallel_size: int = 1
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     zero: ZeroOptions = field(default_factory=ZeroOptions)
@@ -52,6 +53,7 @@ class LayoutRequest:
             data_parallel_size=self.data_parallel_size,
             zero_stage=self.zero_stage,
             sequence_parallel=self.sequence_parallel,
+            expert_parallel_size=self.expert_parallel_size,
         )
         self.pipeline.check_stages(self.pipeline_parallel_size)
 
@@ -76,6 +78,7 @@ class LayoutRequest:
                     f" {tp * pp * dp}, but the world size is {world_size}. Set `data_parallel_size='auto'`"
                     f" (= {world_size // (tp * pp)}) or change the sizes so that their product is {world_size}."
                 )
+        _check_expert_parallel(self.expert_parallel_size, dp, self.zero_stage, tp)
         return ParallelLayout(
             world_size=world_size,
             tensor_parallel_size=tp,
@@ -83,6 +86,7 @@ class LayoutRequest:
             data_parallel_size=dp,
             zero_stage=self.zero_stage,
             sequence_parallel=self.sequence_parallel,
+            expert_parallel_size=self.expert_parallel_size,
             tensor_parallel=self.tensor_parallel,
             pipeline=replace(self.pipeline, num_microbatches=self.pipeline.num_microbatches or pp),
             zero=self.zero,
@@ -111,6 +115,9 @@ class ParallelLayout:
     """0: replicate; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence between tensor-parallel regions (Megatron-SP)."""
+    expert_parallel_size: int = 1
+    """Ranks of the data-parallel dimension that split each MoE layer's experts (consecutive data-parallel
+    ranks); the dense weights stay data parallel over all of them."""
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
     """How layers are split over the tensor dimension."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
@@ -144,8 +151,32 @@ class ParallelLayout:
     def as_dict(self) -> dict[str, Any]:
         """The layout as plain types (for loggers, checkpoints and the start-up table)."""
         sizes = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "zero_stage")
-        return {**{k: getattr(self, k) for k in sizes}, "sequence_parallel": self.sequence_parallel,
+        ep = {"expert_parallel_size": self.expert_parallel_size} if self.expert_parallel_size > 1 else {}
+        return {**{k: getattr(self, k) for k in sizes}, "sequence_parallel": self.sequence_parallel, **ep,
                 **self.recorded_options()}  # fmt: skip
+
+
+def _check_expert_parallel(ep: int, dp: int, zero_stage: int, tp: int) -> None:
+    """Expert parallel is carved out of the data-parallel ranks; what it does not compose with yet is refused."""
+    if ep == 1:
+        return
+    if dp % ep != 0:
+        raise HybridConfigError(
+            f"`expert_parallel_size={ep}` must divide the data-parallel size ({dp}): the experts are split over"
+            f" groups of {ep} data-parallel ranks. Choose a divisor of {dp}, or change the world size."
+        )
+    if zero_stage != 0:
+        raise HybridConfigError(
+            f"`expert_parallel_size={ep}` runs with `zero_stage=0` only for now (got {zero_stage}): ZeRO sharding of"
+            " the expert weights over the ranks that hold the same experts is not written yet. Set `zero_stage=0`"
+            " (docs/expert-parallel.md)."
+        )
+    if tp != 1:
+        raise HybridConfigError(
+            f"`expert_parallel_size={ep}` runs with `tensor_parallel_size=1` only for now (got {tp}). Set"
+            " `tensor_parallel_size=1`, or split the experts over the tensor-parallel ranks instead"
+            " ('moe_tp_experts', docs/expert-parallel.md)."
+        )
 
 
 def check_compile(value: Any, request: LayoutRequest) -> None:
@@ -172,7 +203,8 @@ def check_compile(value: Any, request: LayoutRequest) -> None:
         )
 
 
-_DEFAULT_SIZES = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": "auto", "zero_stage": 1}
+_DEFAULT_SIZES = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": "auto", "zero_stage": 1,
+                  "expert_parallel_size": 1}  # fmt: skip
 
 
 def check_auto_layout(layout: Optional[str], sizes: dict[str, Any], num_microbatches: Optional[int]) -> None:
@@ -238,6 +270,7 @@ class StrategyOptions:
         zero_stage: Any = 1,
         tensor_parallel_plan: Any = "auto",
         sequence_parallel: bool = False,
+        expert_parallel_size: Any = 1,
         activation_checkpointing: bool = False,
         vocab_parallel_loss: bool = True,
         transformer_blocks: Optional[str] = None,
@@ -285,6 +318,7 @@ class StrategyOptions:
             data_parallel_size=data_parallel_size,
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
+            expert_parallel_size=expert_parallel_size,
             tensor_parallel=sections["tensor_parallel"],
             pipeline=sections["pipeline"],
             zero=sections["zero"],

@@ -24,6 +24,7 @@ from lightning_hybrid.agreement import computed_on_one_rank, raise_together
 from lightning_hybrid.batch_norm import sync_batch_norm
 from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.expert_parallel import ExpertGradientSync, apply_expert_parallel, find_expert_modules
 from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
 from lightning_hybrid.pipeline.profile import stage_costs
@@ -96,6 +97,8 @@ class Parallelized:
     """The plan applied (automatic, declared or a dict; None without tensor parallel or when ``configure_model``
     parallelized the module itself)."""
     tensor_parallel_size: int = 1
+    expert_sync: Optional[ExpertGradientSync] = None
+    """The expert weights' reduction over the ranks holding the same experts (None without expert parallel)."""
 
     def verify_first_step(self, module: nn.Module, mode: str, args: tuple, kwargs: dict) -> None:
         """``verify_tensor_parallel`` at the first training step, before the real one (collective; then off)."""
@@ -128,6 +131,7 @@ def parallelize(
     mesh: DeviceMesh,
     options: ModelOptions,
     precision: HybridPrecision,
+    expert_mesh: Optional[DeviceMesh] = None,
 ) -> Parallelized:
     """Split and shard ``module`` in place for ``layout`` on ``mesh``; collective-free where a failure on one rank
     must be raised on all (``raise_together``).
@@ -157,6 +161,8 @@ def parallelize(
         check_user_sharding(module, layout.zero_stage, layout.pipeline_parallel_size)  # its own fully_shard
         # data parallel and ZeRO train any module: only these settings need a block list
         structure = find_model_structure(module, options.transformer_blocks, needed_by)
+        if layout.expert_parallel_size > 1:
+            _check_expert_parallel(module, layout, precision)
         if layout.tensor_parallel_size > 1 and not user_parallelized:
             plan = build_tensor_parallel_plan(
                 module, structure, tp_options.plan, vocab_parallel_loss=tp_options.vocab_parallel_loss
@@ -174,6 +180,8 @@ def parallelize(
     # 3. tensor parallel: applied to what this rank holds
     replicated, vocab_head = _apply_tensor_parallel(module, structure, plan, layout, mesh, user_parallelized, cut)
     held_blocks = [n for n in structure.block_names() if not isinstance(module.get_submodule(n), SkippedBlock)]
+    # 3b. expert parallel: the experts this rank holds, split over the expert-parallel ranks
+    expert_sync = _apply_expert_parallel(module, layout, expert_mesh) if expert_mesh is not None else None
     _cast(module, layout, precision)
     # 4. activation checkpointing
     if options.activation_checkpointing:
@@ -211,7 +219,39 @@ def parallelize(
         verifier=verifier,
         tensor_parallel_plan=plan,
         tensor_parallel_size=layout.tensor_parallel_size,
+        expert_sync=expert_sync,
     )
+
+
+def _check_expert_parallel(module: nn.Module, layout: ParallelLayout, precision: HybridPrecision) -> None:
+    """Refuse, on the whole model (every rank plans the same), what expert parallel cannot split."""
+    ep = layout.expert_parallel_size
+    experts, refused = find_expert_modules(module)
+    if refused:
+        named = "; ".join(f"{name!r}: {why}" for name, why in refused.items())
+        raise HybridConfigError(
+            f"`expert_parallel_size={ep}` cannot dispatch these MoE layers: {named}. Expert parallel needs"
+            " experts modules of the form transformers 5 ships (packed expert weights and a forward taking"
+            " (hidden_states, top_k_index, top_k_weights)); use `expert_parallel_size=1`, or split the experts"
+            " over the tensor-parallel ranks (docs/expert-parallel.md)."
+        )
+    if not experts:
+        raise HybridConfigError(
+            f"`expert_parallel_size={ep}`, but {type(module).__name__} has no mixture-of-experts layer to split"
+            " (no experts module with packed expert weights). Use `expert_parallel_size=1`."
+        )
+    if precision.master_dtype is not None:
+        raise HybridConfigError(
+            f"`expert_parallel_size={ep}` does not run with '-true' precisions yet (their fp32 master weights"
+            " are ZeRO's): use '32-true' or a '-mixed' precision (docs/expert-parallel.md)."
+        )
+
+
+def _apply_expert_parallel(module: nn.Module, layout: ParallelLayout, expert_mesh: DeviceMesh) -> ExpertGradientSync:
+    """Split the experts modules this rank holds (a pipeline stage may hold none) over the expert-parallel ranks."""
+    experts, _ = find_expert_modules(module)
+    params = apply_expert_parallel(module, experts, expert_mesh["expert"])
+    return ExpertGradientSync(params, expert_mesh["expert_data"].get_group(), layout.data_parallel_size)
 
 
 def _apply_tensor_parallel(

@@ -30,12 +30,7 @@ from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
 from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints
-from lightning_hybrid.config import (
-    CheckpointOptions,
-    PipelineOptions,
-    TensorParallelOptions,
-    ZeroOptions,
-)
+from lightning_hybrid.config import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout, StrategyOptions
@@ -122,6 +117,7 @@ class HybridStrategy(ParallelStrategy):
         compile: ``torch.compile`` each transformer block in place (regional compilation: one compiled graph per
             block type, reused by every block), after tensor parallel and activation checkpointing, before ZeRO-3
             (docs/compile.md).
+        expert_parallel_size: data-parallel ranks that split each MoE layer's experts (docs/expert-parallel.md).
         tensor_parallel: the tensor-parallel options as one :class:`~lightning_hybrid.TensorParallelOptions`
             (``plan``, ``vocab_parallel_loss``, ``verify_tensor_parallel``).
         pipeline: the pipeline options as one :class:`~lightning_hybrid.PipelineOptions` (``num_microbatches``,
@@ -195,6 +191,7 @@ class HybridStrategy(ParallelStrategy):
         layout: Optional[Literal["auto"]] = None,
         device_memory: Optional[float] = None,
         compile: bool = False,
+        expert_parallel_size: int = 1,
         *,
         tensor_parallel: Optional[TensorParallelOptions] = None,
         pipeline: Optional[PipelineOptions] = None,
@@ -337,7 +334,9 @@ class HybridStrategy(ParallelStrategy):
                 layer_sync=compat.layer_sync(self),
             )
             deferred = self._deferred.plan(module, pipeline_partition=self.layout.pipeline.partition)
-            self.parallelized = parallelize(module, self.layout, self.device_mesh, options, self.precision_plugin)
+            self.parallelized = parallelize(
+                module, self.layout, self.device_mesh, options, self.precision_plugin, self._topology.expert_mesh
+            )
             pretrained = self._options.checkpoint.pretrained_weights
             if deferred is not None:  # built on meta: only now, split, does this rank get memory for its shards
                 unsplit_copy = getattr(self.parallelized.verifier, "reference", None)

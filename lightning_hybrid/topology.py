@@ -29,6 +29,7 @@ __all__ = [
     "broadcast_object",
     "reduce",
     "build_device_mesh",
+    "build_expert_mesh",
     "init_process_groups",
     "format_rank_table",
     "gather_rank_devices",
@@ -69,6 +70,39 @@ def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: Optiona
     return mesh
 
 
+EXPERT_MESH_DIM_NAMES = ("pipeline", "expert_data", "expert", "tensor")
+
+
+def build_expert_mesh(layout: ParallelLayout, device_type: str, timeout: Optional[timedelta] = None) -> DeviceMesh:
+    """The mesh expert parallel needs: the data dimension of :func:`build_device_mesh` split into ``expert_data`` x
+    ``expert`` (the expert-parallel ranks consecutive in the data dimension, as Megatron orders them). A mesh of its
+    own, over the same ranks: torch's ``DeviceMesh._unflatten`` would share the root mesh but is private.
+
+    Example:
+        >>> # layout = ParallelLayout.resolve(world_size=4, expert_parallel_size=2, zero_stage=0)
+        >>> # mesh = build_expert_mesh(layout, "cpu")
+        >>> # mesh["expert"].size()  # -> 2
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep = layout.expert_parallel_size
+    shape = (layout.pipeline_parallel_size, layout.data_parallel_size // ep, ep, layout.tensor_parallel_size)
+    key = (shape, device_type, dist.get_backend(), timeout, "expert")
+    cached = _MESHES.get(key)
+    if cached is not None and _groups_alive(cached, EXPERT_MESH_DIM_NAMES):
+        return cached
+    world = dist.get_world_size()
+    override = {}
+    for name, size in zip(EXPERT_MESH_DIM_NAMES, shape):
+        if dist.get_backend() == "gloo" and size == world:
+            override[name] = "gloo"  # a group of its own, not the default group (see _own_groups)
+        elif timeout is not None and size < world:
+            override[name] = _options(timeout)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIM_NAMES, backend_override=override or None)
+    _MESHES[key] = mesh
+    return mesh
+
+
 # The mesh of each layout this process built, reused by later fits of the same layout (a notebook, a sweep, a
 # `Trainer` per stage): every new mesh makes a process group per dimension, each with its threads (9 per fit under
 # gloo), which live until exit and slowed every later step of the process (Lightning's `self.log` took 1.6x as long
@@ -77,10 +111,10 @@ _MESHES: dict[tuple, DeviceMesh] = {}
 atexit.register(_MESHES.clear)  # where the script made the default group: its groups are not held into finalization
 
 
-def _groups_alive(mesh: DeviceMesh) -> bool:
+def _groups_alive(mesh: DeviceMesh, names: tuple[str, ...] = MESH_DIM_NAMES) -> bool:
     """Whether every group of ``mesh`` still exists (a script may have destroyed them, or the default group)."""
     try:
-        return all(dist.get_rank(mesh.get_group(name)) >= 0 for name in MESH_DIM_NAMES)
+        return all(dist.get_rank(mesh.get_group(name)) >= 0 for name in names)
     except Exception:  # ValueError for a destroyed group (get_world_size would still answer from its cache)
         return False
 
@@ -221,6 +255,8 @@ class Topology:
     """The data-parallel process group of this rank (sliced once: slicing a mesh builds a new one)."""
     watchdog: HangWatchdog
     backend: str
+    expert_mesh: Optional[DeviceMesh] = None
+    """The ``("pipeline", "expert_data", "expert", "tensor")`` mesh under expert parallel (None without)."""
 
 
 def start_topology(
@@ -240,9 +276,11 @@ def start_topology(
     mesh = with_lightning_names(build_device_mesh(layout, device.type, timeout))
     watchdog = HangWatchdog(mesh, timeout, backend)
     watchdog.start()
+    expert_mesh = build_expert_mesh(layout, device.type, timeout) if layout.expert_parallel_size > 1 else None
     topology = Topology(
-        layout=layout, mesh=mesh, data_group=mesh["data"].get_group(), watchdog=watchdog, backend=backend
-    )
+        layout=layout, mesh=mesh, data_group=mesh["data"].get_group(), watchdog=watchdog, backend=backend,
+        expert_mesh=expert_mesh,
+    )  # fmt: skip
     rank_zero_info(format_rank_table(layout, gather_rank_devices(device)))
     return topology
 

@@ -48,6 +48,33 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
     },
+    # expert parallel (tests/test_expert_parallel.py): normalised top-k weights; DeepSeek-V3's shared expert, a dense
+    # first layer, sigmoid routing with a correction bias and multi-head latent attention
+    "qwen3_moe": {
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "norm_topk_prob": True,
+    },
+    "deepseek_v3": {
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "n_group": 1,
+        "topk_group": 1,
+    },
     "qwen2_moe": {
         "intermediate_size": 64,
         "moe_intermediate_size": 16,

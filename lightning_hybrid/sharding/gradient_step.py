@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._lightning_compat import unwrap_optimizer
 from lightning_hybrid.dtensor import full_tensor
+from lightning_hybrid.expert_parallel import ExpertGradientSync
 from lightning_hybrid.sharding.gradient_sync import GradientSync
 from lightning_hybrid.sharding.memory import measure_model_state_bytes
 from lightning_hybrid.sharding.norm import GradientNorm
@@ -47,6 +48,7 @@ class GradientStep:
         duplicates: parameters another stage also holds, counted once in the norm.
         bucket_cap_mb: reduce gradients in buckets of this size during backward (None: after the last backward).
         offload: step the optimizers on the host with DeepSpeedCPUAdam (``offload_optimizer``).
+        expert_sync: the expert weights' reduction under expert parallel (None without).
 
     Example:
         >>> # step = GradientStep(module, strategy.optimizers, mesh=mesh, zero_stage=1, master_dtype=None, ...)
@@ -67,9 +69,11 @@ class GradientStep:
         duplicates: list[nn.Parameter],
         bucket_cap_mb: Optional[float],
         offload: bool,
+        expert_sync: Optional[ExpertGradientSync] = None,
     ) -> None:
         self.module, self.optimizers, self.device = module, optimizers, device
-        self.gradient_sync, self.tied_sync = gradient_sync, tied_sync
+        self.gradient_sync, self.tied_sync, self.expert_sync = gradient_sync, tied_sync, expert_sync
+        experts = frozenset(expert_sync.ids) if expert_sync is not None else frozenset()
         self.sharded: list[ShardedOptimizer] = (
             [
                 ShardedOptimizer(
@@ -81,13 +85,17 @@ class GradientStep:
                     tensor_sync=gradient_sync,  # ZeRO-2 buckets apply it per bucket, before reducing
                     parameter_order=list(module.parameters()),  # reversed: the order of backward
                     host_masters=offload,
+                    reduced_elsewhere=experts,
                 )
                 for opt in optimizers
             ]
             if zero_stage < 3
             else []
         )
-        self.norm = GradientNorm(module, self.sharded, mesh, zero_stage, duplicates)
+        expert_copies = mesh["data"].size() // expert_sync.expert_parallel_size if expert_sync is not None else 1
+        self.norm = GradientNorm(
+            module, self.sharded, mesh, zero_stage, duplicates, data_copies=dict.fromkeys(experts, expert_copies)
+        )
         self.offloads: list[Any] = []
         if offload:
             from lightning_hybrid.sharding.offload import attach_offload
@@ -131,6 +139,7 @@ class GradientStep:
             duplicates=parallelized.duplicates,
             bucket_cap_mb=zero.bucket_cap_mb if overlap else None,
             offload=zero.offload_optimizer,
+            expert_sync=parallelized.expert_sync,
         )
 
     def close(self) -> None:
@@ -177,6 +186,8 @@ class GradientStep:
             self.gradient_sync()
         if sharded is not None and not bucketed:
             sharded.reduce_gradients()
+        if self.expert_sync is not None:
+            self.expert_sync()
 
     # ------------------------------------------------------------------ reading the gradients
     def full_gradients(self) -> dict[str, Tensor]:

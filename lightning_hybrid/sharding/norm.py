@@ -51,7 +51,8 @@ class GradientNorm:
     """Computes the global norm of the gradients the optimizers will step on, and clips them.
 
     ``duplicates`` are parameters whose gradient another pipeline stage also holds (a tied embedding's second copy):
-    they are left out of the norm (weight 0) but still clipped.
+    they are left out of the norm (weight 0) but still clipped. ``data_copies``: parameters (ids) that fewer than all
+    data-parallel ranks hold whole, and how many do (expert weights: ``dp / ep``).
 
     Example:
         >>> # norm = GradientNorm(module, sharded_optimizers, mesh, zero_stage=1)
@@ -65,9 +66,13 @@ class GradientNorm:
         mesh: DeviceMesh,
         zero_stage: int,
         duplicates: Iterable[nn.Parameter] = (),
+        data_copies: Optional[dict[int, int]] = None,
     ) -> None:
         self.module, self.sharded, self.zero_stage = module, sharded, zero_stage
         self.tp, self.dp = mesh["tensor"].size(), mesh["data"].size()
+        # parameters (ids) held whole by fewer data-parallel ranks than all of them: an expert shard is held by the
+        # dp / ep ranks that hold the same experts
+        self.data_copies = data_copies or {}
         skip = {id(p) for p in duplicates}
         self.weights = {
             id(p): 0.0 if id(p) in skip else 1.0 / _tensor_parallel_copies(p, self.tp) for p in module.parameters()
@@ -107,7 +112,7 @@ class GradientNorm:
                         out.append((group.master.grad, pieces, 1.0))
             return out
         if sharded is not None:
-            parameters = {id(p) for p in sharded.model_parameters}
+            parameters = {id(p) for p in sharded.model_parameters} | sharded.reduced_elsewhere
         # ZeRO-0: every data-parallel replica holds the full gradient; ZeRO-3: FSDP2 shards it, except parameters it
         # was told to ignore (replicated over data)
         for p in {id(p): p for p in self.module.parameters()}.values():
@@ -115,7 +120,8 @@ class GradientNorm:
             if grad is None or (parameters is not None and id(p) not in parameters):
                 continue
             replicated_over_data = self.zero_stage == 0 or not _sharded_over_data(p)
-            weight = self.weights.get(id(p), 1.0) / (self.dp if replicated_over_data else 1)
+            copies = self.data_copies.get(id(p), self.dp) if replicated_over_data else 1
+            weight = self.weights.get(id(p), 1.0) / copies
             out.append((grad, None, weight))
         return out
 

@@ -59,6 +59,9 @@ class ShardedOptimizer:
     and ``parameter_order``, the model's parameters in registration order, gives the buckets backward's order).
     ``None`` (and stage 1): one flat reduction after the last backward pass.
 
+    ``reduced_elsewhere``: ids of parameters another reduction owns (expert weights under expert parallel, at stage
+    0 without masters): the optimizer steps them, but they are not reduced here.
+
     Example:
         >>> # strategy code, after configure_optimizers:
         >>> # zero = ShardedOptimizer(optimizer, stage=1, dp_mesh=mesh["data"])
@@ -76,8 +79,11 @@ class ShardedOptimizer:
         tensor_sync: Optional[GradientSync] = None,
         parameter_order: Optional[list[nn.Parameter]] = None,
         host_masters: bool = False,
+        reduced_elsewhere: frozenset[int] = frozenset(),
     ) -> None:
         assert stage in (0, 1, 2)
+        # parameters (ids) another reduction owns: expert weights, reduced over the ranks holding the same experts
+        self.reduced_elsewhere = reduced_elsewhere
         self.optimizer = optimizer
         # optimizer offload (sharding/offload.py): the masters live in host memory (pinned on CUDA), where
         # DeepSpeedCPUAdam steps them; on a CPU-only machine they are where they would be anyway
@@ -94,7 +100,7 @@ class ShardedOptimizer:
         self.groups: list[FlatGroup] = []
         self._flat_grads: list[Optional[Tensor]] = []
         for param_group in optimizer.param_groups:
-            params = [p for p in param_group["params"] if p.requires_grad]
+            params = [p for p in param_group["params"] if p.requires_grad and id(p) not in reduced_elsewhere]
             numel = sum(local_tensor(p).numel() for p in params)
             shard = -(-numel // self.dp) if self.sharded else numel
             master = None
@@ -378,7 +384,12 @@ class ShardedOptimizer:
         return total + sum(g.master.numel() * g.master.element_size() for g in self.groups if g.master is not None)
 
     def gradient_bytes(self) -> int:
-        """Bytes of gradients this rank holds at the step (full, reduced-shard or fp32 accumulation buffer)."""
+        """Bytes of gradients this rank holds at the step (full, reduced-shard or fp32 accumulation buffer), those
+        reduced elsewhere (expert weights) included."""
+        elsewhere = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) in self.reduced_elsewhere]
+        return self._reduced_gradient_bytes() + sum(local_bytes(p.grad) for p in elsewhere if p.grad is not None)
+
+    def _reduced_gradient_bytes(self) -> int:
         if isinstance(self.buckets, GradientBuckets):
             # kept between steps, as DDP's buckets; the gradients are views of them (the few used-flag elements after
             # them are bookkeeping, not gradients)

@@ -10,8 +10,6 @@ is ``nn.Linear`` with its weight stored transposed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import MethodType
 from typing import Any, Optional, Union
 
@@ -29,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_hybrid._torch_compat import colwise_input_fn, strided_shard, style_output_fn
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.dtensor import local_parameters
 
 __all__ = [
     "Conv1DColwiseParallel",
@@ -209,30 +208,6 @@ def _local_linear_forward(self: nn.Module, input: Any) -> Tensor:
     return F.linear(input, weight, bias)
 
 
-@contextmanager
-def _local_parameters(module: nn.Module) -> Iterator[None]:
-    """Run ``module``'s own forward with each DTensor parameter replaced by its local shard.
-
-    torch has no public "forward with these tensors in place of the parameters" that does not re-enter the module's
-    ``__call__`` (``torch.func.functional_call`` would run its hooks twice), so the direct parameters are swapped by
-    attribute, every one of them, and put back in their order: parameter order is what optimizers and checkpoints see.
-    """
-    params = list(module.named_parameters(recurse=False))
-    for name, _ in params:
-        delattr(module, name)
-    try:
-        for name, param in params:
-            # a view: the local tensor of a DTensor parameter carries the flag that makes it pass for a Parameter
-            setattr(module, name, param.to_local().view_as(param.to_local()) if isinstance(param, DTensor) else param)
-        yield
-    finally:
-        for name, _ in params:
-            if hasattr(module, name):
-                delattr(module, name)
-        for name, param in params:
-            module.register_parameter(name, param)
-
-
 class LocalShardParallel(ParallelStyle):
     """A module that computes on the local shards of its parameters: transformers' ``local_params`` and, with
     ``sum_output=True``, ``moe_tp_experts`` (each rank runs its slice of every expert's hidden size; the partial outputs
@@ -276,7 +251,7 @@ class LocalShardParallel(ParallelStyle):
         def local_forward(*args: Any, **kwargs: Any) -> Any:
             if self.sum_output:
                 args, kwargs = _map_tensors(partial_gradient, args), _map_tensors(partial_gradient, kwargs)
-            with _local_parameters(module):
+            with local_parameters(module):
                 out = forward(*args, **kwargs)
             return _map_tensors(summed, out) if self.sum_output else out
 

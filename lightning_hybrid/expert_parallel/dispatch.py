@@ -1,0 +1,117 @@
+"""Expert parallel applied: each experts module's packed weights sharded over the expert-parallel ranks (the expert
+dimension, ``Shard(0)``), and its forward wrapped so that every (token, chosen expert) pair travels to the rank
+holding that expert and its output comes back, by all-to-all (Megatron's and torchtitan's token dispatch).
+
+The experts' own forward computes on the pairs a rank receives, with its local experts: the model's activation,
+gating and the multiplication by the routing weight are its own code. Each pair's output is added into its token on
+the sending rank, as the module adds a token's top-k outputs on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as differentiable
+from torch import Tensor, nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.dtensor import local_parameters
+from lightning_hybrid.expert_parallel.discover import EXPERT_COUNT_ATTRIBUTES, ExpertModule
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["apply_expert_parallel", "dispatched_forward"]
+
+
+def apply_expert_parallel(module: nn.Module, experts: list[ExpertModule], ep_mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Shard each of ``experts`` over ``ep_mesh`` (a 1-D mesh of the expert-parallel ranks) and make its forward
+    dispatch tokens; returns the sharded parameters (DTensors, ``Shard(0)``).
+
+    Example:
+        >>> # experts, refused = find_expert_modules(model)
+        >>> # expert_params = apply_expert_parallel(model, experts, expert_mesh["expert"])
+    """
+    ep = ep_mesh.size()
+    sharded: list[nn.Parameter] = []
+    for expert in experts:
+        if expert.num_experts % ep != 0:
+            raise HybridConfigError(
+                f"`expert_parallel_size={ep}` does not divide the {expert.num_experts} experts of {expert.name!r}."
+                f" Choose an expert_parallel_size that divides {expert.num_experts}."
+            )
+        sub = module.get_submodule(expert.name)
+        for name, param in list(sub.named_parameters(recurse=False)):
+            # from expert-parallel rank 0's weights, as tensor parallel's shards are: one device's initialisation
+            shard = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            sub.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+            sharded.append(sub.get_parameter(name))
+        sub.forward = dispatched_forward(sub, sub.forward, expert.num_experts, ep_mesh.get_group(), ep)
+    return sharded
+
+
+@contextmanager
+def _local_expert_count(module: nn.Module, total: int, local: int) -> Iterator[None]:
+    """The module's recorded expert count reads ``local`` while it computes on its local experts (its forward sizes a
+    one-hot or a histogram by it)."""
+    names = [a for a in EXPERT_COUNT_ATTRIBUTES if getattr(module, a, None) == total]
+    for a in names:
+        setattr(module, a, local)
+    try:
+        yield
+    finally:
+        for a in names:
+            setattr(module, a, total)
+
+
+def _exchange(tensor: Tensor, receive: list[int], send: list[int], group: Any) -> Tensor:
+    """Rows of ``tensor`` sent by ``send`` counts, ``receive`` counts received, differentiable (torch's autograd
+    all-to-all sends the gradient back the reverse way)."""
+    out = tensor.new_empty((sum(receive), *tensor.shape[1:]))
+    return differentiable.all_to_all_single(out, tensor.contiguous(), receive, send, group=group)
+
+
+def dispatched_forward(
+    module: nn.Module, forward: Callable[..., Tensor], num_experts: int, group: Any, ep: int
+) -> Callable[..., Tensor]:
+    """``forward(hidden_states, top_k_index, top_k_weights, ...)`` of ``module`` with its tokens sent to the ranks
+    holding their experts (``num_experts`` in all, ``num_experts / ep`` on each rank of ``group``)."""
+    per_rank = num_experts // ep
+    weight_names = [name for name, _ in module.named_parameters(recurse=False)]
+
+    def dispatching(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *args: Any, **kwargs: Any):
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        k = top_k_index.shape[-1]
+        experts, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1)
+        token = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(k)
+        # a slot the model routes nowhere (an index outside its experts: dropped by capacity) contributes nothing,
+        # as the module's own loop over experts skips it
+        routed = (experts >= 0) & (experts < num_experts)
+        experts, weights, token = experts[routed], weights[routed], token[routed]
+        destination = torch.div(experts, per_rank, rounding_mode="floor")
+        order = torch.argsort(destination, stable=True)
+        experts, weights, token = experts[order], weights[order], token[order]
+        send_counts = torch.bincount(destination, minlength=ep)
+        receive_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(receive_counts, send_counts, group=group)
+        send, receive = send_counts.tolist(), receive_counts.tolist()
+        rows = _exchange(hidden[token], receive, send, group)
+        row_weights = _exchange(weights.unsqueeze(1), receive, send, group)
+        local_ids = torch.empty(sum(receive), dtype=experts.dtype, device=experts.device)
+        dist.all_to_all_single(local_ids, experts.remainder(per_rank), receive, send, group=group)
+        with local_parameters(module), _local_expert_count(module, num_experts, per_rank):
+            out = forward(rows, local_ids.unsqueeze(1), row_weights, *args, **kwargs)
+            if out.shape[0] == 0:
+                # no pair came here: every local weight still gets its (zero) gradient, as the packed weights do on
+                # one device whenever any expert is used, so the optimizer treats the shard as it treats the whole
+                out = out + sum(getattr(module, n).reshape(-1)[:1].sum() for n in weight_names) * 0
+        back = _exchange(out, send, receive, group)
+        combined = torch.zeros_like(hidden).index_add(0, token, back.to(hidden.dtype))
+        return combined.reshape(hidden_states.shape)
+
+    return dispatching

@@ -1,0 +1,112 @@
+"""Expert parallel: MoE families written by others (transformers, built from tiny configs) train with their experts
+split over the expert-parallel ranks like one device of the same module, data and seed (fp32, 1e-5 relative), each
+rank holding the dense weights and 1/ep of the expert weights (measured); what cannot be dispatched is refused
+before training, on every rank.
+
+The 2- and 4-process layouts run in the session's shared launches. Few steps on tiny models: a token sent to the
+wrong expert, a weight not multiplied, or an expert gradient averaged over the wrong ranks moves the first step's
+loss or gradients by far more than 1e-5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hybrid import HybridConfigError
+from lightning_hybrid.expert_parallel import find_expert_modules
+from lightning_hybrid.layout import LayoutRequest
+from tests.conftest import share
+from tests.harness import build_module, check_trained_or_refused
+
+STEPS = 3
+BATCH = 4
+
+
+def _case(name: str, model: str, world: int, dp: int, refusal: str | None = None, **strategy: Any) -> dict[str, Any]:
+    return {"name": f"ep-{name}", "model": model, "model_kwargs": {}, "dataset": "tokens", "steps": STEPS,
+            "batch_size": BATCH, "data_parallel_size": dp, "world": world, "refusal": refusal,
+            "strategy": {"zero_stage": 0, **strategy}, **({"expect_error": True} if refusal else {})}  # fmt: skip
+
+
+CASES = [
+    # every rank its own data and two of the four experts
+    _case("mixtral-ep2", "hf-mixtral", 2, 2, expert_parallel_size=2),
+    # one expert per rank, four ranks of data
+    _case("mixtral-ep4", "hf-mixtral", 4, 4, expert_parallel_size=4),
+    # experts over pairs of ranks, each pair's experts reduced over the other pair (expert data parallel)
+    _case("qwen3_moe-ep2-dp4", "hf-qwen3_moe", 4, 4, expert_parallel_size=2),
+    # a pipeline of two stages, each stage's experts over its two data-parallel ranks: a shared expert, a dense
+    # first layer
+    _case("deepseek_v3-ep2-pp2", "hf-deepseek_v3", 4, 2, expert_parallel_size=2, pipeline_parallel_size=2),
+    _case("qwen2_moe-ep2-pp2", "hf-qwen2_moe", 4, 2, expert_parallel_size=2, pipeline_parallel_size=2),
+    # no mixture-of-experts layer: refused, not trained as if split
+    _case("llama-refused", "hf-llama", 2, 2,
+          r"HybridConfigError: `expert_parallel_size=2`, but .* has no mixture-of-experts", expert_parallel_size=2),
+]  # fmt: skip
+for _world in (2, 4):
+    share(_world, [c for c in CASES if c["world"] == _world])
+
+
+def _expert_and_dense_numel(model: str) -> tuple[int, int]:
+    module = build_module(model)
+    experts, _ = find_expert_modules(module)
+    expert = sum(p.numel() for e in experts for p in module.get_submodule(e.name).parameters())
+    return expert, sum(p.numel() for p in module.parameters()) - expert
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_expert_parallel_matches_one_device_or_is_refused(shared_groups, case: dict[str, Any]) -> None:
+    world = case["world"]
+    group = shared_groups(world)
+    check_trained_or_refused(group, case, world)
+    if case["refusal"] or case["strategy"].get("pipeline_parallel_size", 1) > 1:
+        return
+    # measured: each rank holds every dense weight and 1/ep of the expert weights (fp32)
+    expert, dense = _expert_and_dense_numel(case["model"])
+    ep = case["strategy"]["expert_parallel_size"]
+    for rank, record in enumerate(group.get(case["name"])["per_rank"]):
+        assert record["model_state"]["parameters"] == 4 * (dense + expert // ep), rank
+        assert record["model_state"]["gradients"] == 4 * (dense + expert // ep), rank
+
+
+# ---------------------------------------------------------------------------------------------- single process
+class _ListedMoE(nn.Module):
+    """A user's MoE block that loops over a list of expert modules in its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        return sum(torch.where((choice == i)[:, None], e(x), 0) for i, e in enumerate(self.experts))
+
+
+def test_experts_are_found_by_structure_and_a_routing_loop_of_the_block_is_named() -> None:
+    found, refused = find_expert_modules(build_module("hf-mixtral"))
+    assert [(e.name, e.num_experts) for e in found] == [(f"model.model.layers.{i}.mlp.experts", 4) for i in (0, 1)]
+    assert refused == {}
+    found, refused = find_expert_modules(nn.Sequential(_ListedMoE()))
+    assert found == [] and list(refused) == ["0.experts"]
+    assert "calls in its own loop" in refused["0.experts"]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "words"),
+    [
+        ({"expert_parallel_size": 3}, r"`expert_parallel_size=3` must divide the data-parallel size \(4\)"),
+        ({"expert_parallel_size": 2, "zero_stage": 1}, r"runs with `zero_stage=0` only for now \(got 1\)"),
+        ({"expert_parallel_size": 2, "zero_stage": 0, "tensor_parallel_size": 2, "data_parallel_size": 2},
+         r"runs with `tensor_parallel_size=1` only for now"),
+        ({"expert_parallel_size": 0}, r"expert_parallel_size"),
+    ],
+)  # fmt: skip
+def test_expert_parallel_layouts_it_cannot_run_are_refused_before_any_process_group(sizes, words) -> None:
+    with pytest.raises(HybridConfigError, match=words):
+        LayoutRequest(**sizes).resolve(4)
