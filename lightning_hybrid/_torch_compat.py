@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "WRAPPER_PREFIXES",
     "AsyncCollectiveTensor",
+    "all_to_all_autograd",
     "BatchNormBase",
     "TorchDispatchMode",
     "c10d_namespaces",
@@ -266,6 +267,15 @@ def _async_collective_tensor() -> type:
 
 # ``torch.distributed._functional_collectives.AsyncCollectiveTensor``. Public replacement: none.
 AsyncCollectiveTensor = _async_collective_tensor()
+
+
+def all_to_all_autograd(tensor: Tensor, receive: list[int], send: list[int], group: Any) -> Tensor:
+    """Rows of ``tensor`` sent by ``send`` counts, ``receive`` counts received, differentiable (the gradient goes back
+    the reverse way): ``torch.distributed._functional_collectives.all_to_all_single_autograd``, waited for. Public
+    replacement: ``torch.distributed.nn.functional.all_to_all_single``, deprecated in its favour since torch 2.13."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, receive, send, group))
 
 
 # --- devices, norms, extensions -------------------------------------------------------------------------------------

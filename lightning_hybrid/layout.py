@@ -78,7 +78,7 @@ class LayoutRequest:
                     f" {tp * pp * dp}, but the world size is {world_size}. Set `data_parallel_size='auto'`"
                     f" (= {world_size // (tp * pp)}) or change the sizes so that their product is {world_size}."
                 )
-        _check_expert_parallel(self.expert_parallel_size, dp, self.zero_stage, tp)
+        _check_expert_parallel(self.expert_parallel_size, dp, tp)
         return ParallelLayout(
             world_size=world_size,
             tensor_parallel_size=tp,
@@ -156,7 +156,7 @@ class ParallelLayout:
                 **self.recorded_options()}  # fmt: skip
 
 
-def _check_expert_parallel(ep: int, dp: int, zero_stage: int, tp: int) -> None:
+def _check_expert_parallel(ep: int, dp: int, tp: int) -> None:
     """Expert parallel is carved out of the data-parallel ranks; what it does not compose with yet is refused."""
     if ep == 1:
         return
@@ -164,12 +164,6 @@ def _check_expert_parallel(ep: int, dp: int, zero_stage: int, tp: int) -> None:
         raise HybridConfigError(
             f"`expert_parallel_size={ep}` must divide the data-parallel size ({dp}): the experts are split over"
             f" groups of {ep} data-parallel ranks. Choose a divisor of {dp}, or change the world size."
-        )
-    if zero_stage != 0:
-        raise HybridConfigError(
-            f"`expert_parallel_size={ep}` runs with `zero_stage=0` only for now (got {zero_stage}): ZeRO sharding of"
-            " the expert weights over the ranks that hold the same experts is not written yet. Set `zero_stage=0`"
-            " (docs/expert-parallel.md)."
         )
     if tp != 1:
         raise HybridConfigError(

@@ -24,14 +24,14 @@ from lightning_hybrid.agreement import computed_on_one_rank, raise_together
 from lightning_hybrid.batch_norm import sync_batch_norm
 from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
 from lightning_hybrid.config import HybridConfigError
-from lightning_hybrid.expert_parallel import ExpertGradientSync, apply_expert_parallel, find_expert_modules
+from lightning_hybrid.expert_parallel import ExpertShards, apply_expert_parallel, find_expert_modules, shard_experts
 from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
 from lightning_hybrid.pipeline.profile import stage_costs
 from lightning_hybrid.pipeline.shared import SharedParameters, find_shared_parameters
 from lightning_hybrid.pipeline.stage import InputStub, SkippedBlock
 from lightning_hybrid.pipeline.verify import PipelineVerifier, make_verifier
-from lightning_hybrid.sharding import GradientSync, apply_fully_shard, check_user_sharding
+from lightning_hybrid.sharding import GradientSync, apply_fully_shard, check_user_sharding, user_fully_sharded
 from lightning_hybrid.structure import ModelStructure, block_list_needed_by, find_model_structure
 from lightning_hybrid.tensor_parallel import (
     TensorParallelPlan,
@@ -97,8 +97,8 @@ class Parallelized:
     """The plan applied (automatic, declared or a dict; None without tensor parallel or when ``configure_model``
     parallelized the module itself)."""
     tensor_parallel_size: int = 1
-    expert_sync: Optional[ExpertGradientSync] = None
-    """The expert weights' reduction over the ranks holding the same experts (None without expert parallel)."""
+    experts: Optional[ExpertShards] = None
+    """The expert weights split over the expert-parallel ranks, and their mesh (None without expert parallel)."""
 
     def verify_first_step(self, module: nn.Module, mode: str, args: tuple, kwargs: dict) -> None:
         """``verify_tensor_parallel`` at the first training step, before the real one (collective; then off)."""
@@ -181,7 +181,7 @@ def parallelize(
     replicated, vocab_head = _apply_tensor_parallel(module, structure, plan, layout, mesh, user_parallelized, cut)
     held_blocks = [n for n in structure.block_names() if not isinstance(module.get_submodule(n), SkippedBlock)]
     # 3b. expert parallel: the experts this rank holds, split over the expert-parallel ranks
-    expert_sync = _apply_expert_parallel(module, layout, expert_mesh) if expert_mesh is not None else None
+    experts = _apply_expert_parallel(module, expert_mesh) if expert_mesh is not None else None
     _cast(module, layout, precision)
     # 4. activation checkpointing
     if options.activation_checkpointing:
@@ -192,7 +192,7 @@ def parallelize(
     if options.compile:
         compile_blocks(module, held_blocks)
     # 5. ZeRO-3: FSDP2 (ZeRO-1/2 wrap the optimizers instead: sharding/gradient_step.py)
-    dp_replicated = _fully_shard(module, structure, layout, mesh, precision, held_blocks, cut)
+    dp_replicated = _fully_shard(module, structure, layout, mesh, precision, held_blocks, cut, experts)
     # 6. the pipeline runner, and the sums of parameters several stages hold
     runner, shared, verifier = None, None, tp_verifier
     if cut is not None:
@@ -219,7 +219,7 @@ def parallelize(
         verifier=verifier,
         tensor_parallel_plan=plan,
         tensor_parallel_size=layout.tensor_parallel_size,
-        expert_sync=expert_sync,
+        experts=experts,
     )
 
 
@@ -247,11 +247,10 @@ def _check_expert_parallel(module: nn.Module, layout: ParallelLayout, precision:
         )
 
 
-def _apply_expert_parallel(module: nn.Module, layout: ParallelLayout, expert_mesh: DeviceMesh) -> ExpertGradientSync:
+def _apply_expert_parallel(module: nn.Module, expert_mesh: DeviceMesh) -> ExpertShards:
     """Split the experts modules this rank holds (a pipeline stage may hold none) over the expert-parallel ranks."""
     experts, _ = find_expert_modules(module)
-    params = apply_expert_parallel(module, experts, expert_mesh["expert"])
-    return ExpertGradientSync(params, expert_mesh["expert_data"].get_group(), layout.data_parallel_size)
+    return apply_expert_parallel(module, experts, expert_mesh)
 
 
 def _apply_tensor_parallel(
@@ -310,6 +309,7 @@ def _fully_shard(
     precision: HybridPrecision,
     held_blocks: list[str],
     cut: Any,
+    experts: Optional[ExpertShards],
 ) -> list[str]:
     """ZeRO-3; returns the parameters FSDP2 leaves out (replicated over data)."""
     if layout.zero_stage != 3:
@@ -319,7 +319,10 @@ def _fully_shard(
         # each pipeline stage module becomes the FSDP2 root of its own parameters (_build_runner)
         roots = structure.fully_shard_roots(module) if cut is None else None
         kwargs = _fsdp_kwargs(layout, precision)
-        dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"], **kwargs)
+        user_sharded = user_fully_sharded(module)  # asked before the experts' units exist
+        if experts is not None and not user_sharded:
+            shard_experts(experts, **kwargs)  # units of their own, inside their blocks' units
+        dp_replicated = apply_fully_shard(module, held_blocks, roots, mesh["data"], user_sharded=user_sharded, **kwargs)
         if dp_replicated and precision.master_dtype is not None:
             raise HybridConfigError(
                 f"`precision={precision.precision!r}` with `zero_stage=3` cannot hold"

@@ -35,14 +35,19 @@ def _case(name: str, model: str, world: int, dp: int, refusal: str | None = None
 CASES = [
     # every rank its own data and two of the four experts
     _case("mixtral-ep2", "hf-mixtral", 2, 2, expert_parallel_size=2),
-    # one expert per rank, four ranks of data
-    _case("mixtral-ep4", "hf-mixtral", 4, 4, expert_parallel_size=4),
-    # experts over pairs of ranks, each pair's experts reduced over the other pair (expert data parallel)
-    _case("qwen3_moe-ep2-dp4", "hf-qwen3_moe", 4, 4, expert_parallel_size=2),
+    # one expert per rank over four ranks of data; ZeRO-1 shards the dense weights' optimizer state over all four,
+    # each expert's over the ranks holding it (here only itself)
+    _case("mixtral-ep4-zero1", "hf-mixtral", 4, 4, expert_parallel_size=4, zero_stage=1),
+    # experts over pairs of ranks, each pair's experts reduced over the other pair (expert data parallel), their
+    # optimizer state (ZeRO-1) or weights too (ZeRO-3, FSDP2 over the pair) sharded over it
+    _case("qwen3_moe-ep2-dp4-zero1", "hf-qwen3_moe", 4, 4, expert_parallel_size=2, zero_stage=1),
+    _case("qwen3_moe-ep2-dp4-zero3", "hf-qwen3_moe", 4, 4, expert_parallel_size=2, zero_stage=3),
+    _case("mixtral-ep2-dp4-zero2", "hf-mixtral", 4, 4, expert_parallel_size=2, zero_stage=2),
     # a pipeline of two stages, each stage's experts over its two data-parallel ranks: a shared expert, a dense
     # first layer
     _case("deepseek_v3-ep2-pp2", "hf-deepseek_v3", 4, 2, expert_parallel_size=2, pipeline_parallel_size=2),
-    _case("qwen2_moe-ep2-pp2", "hf-qwen2_moe", 4, 2, expert_parallel_size=2, pipeline_parallel_size=2),
+    _case("qwen2_moe-ep2-pp2-zero3", "hf-qwen2_moe", 4, 2, expert_parallel_size=2, pipeline_parallel_size=2,
+          zero_stage=3),
     # no mixture-of-experts layer: refused, not trained as if split
     _case("llama-refused", "hf-llama", 2, 2,
           r"HybridConfigError: `expert_parallel_size=2`, but .* has no mixture-of-experts", expert_parallel_size=2),
@@ -66,12 +71,19 @@ def test_expert_parallel_matches_one_device_or_is_refused(shared_groups, case: d
     check_trained_or_refused(group, case, world)
     if case["refusal"] or case["strategy"].get("pipeline_parallel_size", 1) > 1:
         return
-    # measured: each rank holds every dense weight and 1/ep of the expert weights (fp32)
+    # measured: each rank holds every dense weight and 1/ep of the expert weights (fp32); under ZeRO-3 both are
+    # sharded further, over all data-parallel ranks and over the ranks holding the same experts, and the ranks'
+    # shards add up to the model once
     expert, dense = _expert_and_dense_numel(case["model"])
-    ep = case["strategy"]["expert_parallel_size"]
-    for rank, record in enumerate(group.get(case["name"])["per_rank"]):
-        assert record["model_state"]["parameters"] == 4 * (dense + expert // ep), rank
-        assert record["model_state"]["gradients"] == 4 * (dense + expert // ep), rank
+    ep, zero = case["strategy"]["expert_parallel_size"], case["strategy"]["zero_stage"]
+    records = group.get(case["name"])["per_rank"]
+    held = [record["model_state"]["parameters"] for record in records]
+    if zero == 3:
+        assert sum(held) == 4 * (dense + expert), held
+        return
+    assert held == [4 * (dense + expert // ep)] * world, held
+    if zero == 0:
+        assert [r["model_state"]["gradients"] for r in records] == [4 * (dense + expert // ep)] * world
 
 
 # ---------------------------------------------------------------------------------------------- single process
@@ -101,7 +113,6 @@ def test_experts_are_found_by_structure_and_a_routing_loop_of_the_block_is_named
     ("sizes", "words"),
     [
         ({"expert_parallel_size": 3}, r"`expert_parallel_size=3` must divide the data-parallel size \(4\)"),
-        ({"expert_parallel_size": 2, "zero_stage": 1}, r"runs with `zero_stage=0` only for now \(got 1\)"),
         ({"expert_parallel_size": 2, "zero_stage": 0, "tensor_parallel_size": 2, "data_parallel_size": 2},
          r"runs with `tensor_parallel_size=1` only for now"),
         ({"expert_parallel_size": 0}, r"expert_parallel_size"),

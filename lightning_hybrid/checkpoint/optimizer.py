@@ -26,6 +26,7 @@ from lightning_hybrid.dtensor import like, local_tensor
 from lightning_hybrid.structure import state_dict_name
 
 if TYPE_CHECKING:
+    from lightning_hybrid.sharding.flat import FlatGroup
     from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["HYPERPARAMETERS_KEY", "optimizer_load_targets", "optimizer_state"]
@@ -67,10 +68,11 @@ def _owner(pieces: list[tuple[int, int, int]]) -> int:
     return max(pieces, key=lambda piece: (piece[2] - piece[1], -piece[0]))[0]
 
 
-def _geometry(zero: ShardedOptimizer) -> tuple[int, int]:
-    """(this rank's shard index, number of shards) of the flat buffers: (0, 1) when they are not sharded (stage 0
-    with master weights keeps whole copies on every replica)."""
-    return (zero.dp_rank, zero.dp) if getattr(zero, "sharded", zero.stage >= 1) else (0, 1)
+def _geometry(zero: ShardedOptimizer, group: FlatGroup) -> tuple[int, int]:
+    """(this rank's shard index, number of shards) of ``group``'s flat buffer over its ranks (all data-parallel ranks,
+    or under expert parallel those holding the same experts): (0, 1) when not sharded (stage 0 with master weights
+    keeps whole copies on every replica)."""
+    return (group.ranks.rank, group.ranks.size) if getattr(zero, "sharded", zero.stage >= 1) else (0, 1)
 
 
 def uses_flat_state(zero: Optional[ShardedOptimizer]) -> bool:
@@ -82,10 +84,11 @@ def _zero_state(module: nn.Module, zero: ShardedOptimizer) -> dict[str, Any]:
     names = _names(module)
     state: dict[str, dict[str, Any]] = {}
     master: dict[str, Tensor] = {}
-    rank, dp = _geometry(zero)
     for group in zero.groups:
         if group.master is None:
             continue
+        rank, dp = _geometry(zero, group)
+        ranks = group.ranks.group
         flat_state = zero.optimizer.state.get(group.master, {})
         vectors = {"master": group.master.detach(), **{k: v for k, v in flat_state.items() if _is_vector(v)}}
         scalars = {k: v for k, v in flat_state.items() if not _is_vector(v)}
@@ -96,9 +99,9 @@ def _zero_state(module: nn.Module, zero: ShardedOptimizer) -> dict[str, Any]:
             mine = next(((lo, hi) for q, lo, hi in pieces if q == rank), None)
             if owner != rank:
                 if mine is not None:  # send my piece of every vector to the owner
-                    dst = dist.get_global_rank(zero.group, owner)  # dp > 1 here: the flat buffers are sharded
+                    dst = dist.get_global_rank(ranks, owner)  # dp > 1 here: the flat buffers are sharded
                     for v in vectors.values():
-                        dist.send(v[mine[0] - base : mine[1] - base].contiguous(), dst, group=zero.group)
+                        dist.send(v[mine[0] - base : mine[1] - base].contiguous(), dst, group=ranks)
                 continue
             gathered: dict[str, Tensor] = {}
             for stat, v in vectors.items():
@@ -110,7 +113,7 @@ def _zero_state(module: nn.Module, zero: ShardedOptimizer) -> dict[str, Any]:
                         if q == rank:
                             flat[lo - a : hi - a] = v[lo - base : hi - base]
                         else:
-                            dist.recv(flat[lo - a : hi - a], dist.get_global_rank(zero.group, q), group=zero.group)
+                            dist.recv(flat[lo - a : hi - a], dist.get_global_rank(ranks, q), group=ranks)
                 gathered[stat] = like(flat.view(local_tensor(p).shape), p)
             name = names[id(p)]
             master[name] = gathered.pop("master")
@@ -206,10 +209,10 @@ def _zero_targets(
     copies: list[tuple[Tensor, Tensor]] = []  # (destination in a flat shard, source) after the load
     scalar_reads: list[tuple[dict[str, Any], str, str]] = []  # (optimizer state, stat, checkpoint key)
     rebuild: list[tuple[Tensor, nn.Parameter, int, int]] = []  # master ranges to take from the loaded weights
-    rank, _ = _geometry(zero)
     for group in zero.groups:
         if group.master is None:
             continue
+        rank, _ = _geometry(zero, group)
         flat_state = zero.optimizer.state[group.master]
         vectors = {"master": group.master.data, **{k: v for k, v in flat_state.items() if _is_vector(v)}}
         base, stop = rank * group.shard_size, (rank + 1) * group.shard_size

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as differentiable
 from torch import Tensor, nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from lightning_hybrid._torch_compat import all_to_all_autograd
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import local_parameters
 from lightning_hybrid.expert_parallel.discover import EXPERT_COUNT_ATTRIBUTES, ExpertModule
@@ -26,18 +27,38 @@ from lightning_hybrid.expert_parallel.discover import EXPERT_COUNT_ATTRIBUTES, E
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["apply_expert_parallel", "dispatched_forward"]
+__all__ = ["ExpertShards", "apply_expert_parallel", "dispatched_forward", "shard_experts"]
 
 
-def apply_expert_parallel(module: nn.Module, experts: list[ExpertModule], ep_mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Shard each of ``experts`` over ``ep_mesh`` (a 1-D mesh of the expert-parallel ranks) and make its forward
-    dispatch tokens; returns the sharded parameters (DTensors, ``Shard(0)``).
+@dataclass(frozen=True)
+class ExpertShards:
+    """What expert parallel split on this rank: the expert weights it holds (DTensors, ``Shard(0)`` over the
+    expert-parallel ranks), the experts modules, and the expert mesh (``("pipeline", "expert_data", "expert",
+    "tensor")``), whose ``expert_data`` ranks hold the same experts and reduce their gradients together."""
+
+    params: list[nn.Parameter]
+    modules: list[nn.Module]
+    mesh: DeviceMesh
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.mesh["expert"].size()
+
+    @property
+    def ids(self) -> frozenset[int]:
+        return frozenset(id(p) for p in self.params)
+
+
+def apply_expert_parallel(module: nn.Module, experts: list[ExpertModule], expert_mesh: DeviceMesh) -> ExpertShards:
+    """Shard each of ``experts`` over ``expert_mesh["expert"]`` and make its forward dispatch tokens.
 
     Example:
         >>> # experts, refused = find_expert_modules(model)
-        >>> # expert_params = apply_expert_parallel(model, experts, expert_mesh["expert"])
+        >>> # shards = apply_expert_parallel(model, experts, expert_mesh)
     """
+    ep_mesh = expert_mesh["expert"]
     ep = ep_mesh.size()
+    modules = []
     sharded: list[nn.Parameter] = []
     for expert in experts:
         if expert.num_experts % ep != 0:
@@ -52,7 +73,18 @@ def apply_expert_parallel(module: nn.Module, experts: list[ExpertModule], ep_mes
             sub.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
             sharded.append(sub.get_parameter(name))
         sub.forward = dispatched_forward(sub, sub.forward, expert.num_experts, ep_mesh.get_group(), ep)
-    return sharded
+        modules.append(sub)
+    return ExpertShards(sharded, modules, expert_mesh)
+
+
+def shard_experts(experts: ExpertShards, **fsdp_kwargs: Any) -> None:
+    """ZeRO-3 of the expert weights: an FSDP2 unit per experts module over the ranks holding the same experts
+    (``expert_data``), whose average is the one the expert gradients need (see ``dispatched_forward``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = experts.mesh["expert_data"]
+    for sub in experts.modules:
+        fully_shard(sub, mesh=mesh, **fsdp_kwargs)
 
 
 @contextmanager
@@ -67,13 +99,6 @@ def _local_expert_count(module: nn.Module, total: int, local: int) -> Iterator[N
     finally:
         for a in names:
             setattr(module, a, total)
-
-
-def _exchange(tensor: Tensor, receive: list[int], send: list[int], group: Any) -> Tensor:
-    """Rows of ``tensor`` sent by ``send`` counts, ``receive`` counts received, differentiable (torch's autograd
-    all-to-all sends the gradient back the reverse way)."""
-    out = tensor.new_empty((sum(receive), *tensor.shape[1:]))
-    return differentiable.all_to_all_single(out, tensor.contiguous(), receive, send, group=group)
 
 
 def dispatched_forward(
@@ -100,18 +125,28 @@ def dispatched_forward(
         receive_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(receive_counts, send_counts, group=group)
         send, receive = send_counts.tolist(), receive_counts.tolist()
-        rows = _exchange(hidden[token], receive, send, group)
-        row_weights = _exchange(weights.unsqueeze(1), receive, send, group)
+        rows = all_to_all_autograd(hidden[token].contiguous(), receive, send, group)
+        row_weights = all_to_all_autograd(weights.unsqueeze(1), receive, send, group)
         local_ids = torch.empty(sum(receive), dtype=experts.dtype, device=experts.device)
         dist.all_to_all_single(local_ids, experts.remainder(per_rank), receive, send, group=group)
         with local_parameters(module), _local_expert_count(module, num_experts, per_rank):
+            for name in weight_names:
+                # a local expert's gradient sums what its ep peers' tokens gave it: 1/ep makes the average over the
+                # ranks holding the same experts (ZeRO's, FSDP2's) the average over all dp ranks, as for dense weights
+                # (torchtitan sets FSDP2's divide factor instead; NCCL-only, and on torch 2.13 applied twice in a
+                # group of one)
+                if (weight := getattr(module, name)).requires_grad:
+                    weight.register_hook(lambda grad: grad / ep)
             out = forward(rows, local_ids.unsqueeze(1), row_weights, *args, **kwargs)
             if out.shape[0] == 0:
                 # no pair came here: every local weight still gets its (zero) gradient, as the packed weights do on
                 # one device whenever any expert is used, so the optimizer treats the shard as it treats the whole
                 out = out + sum(getattr(module, n).reshape(-1)[:1].sum() for n in weight_names) * 0
-        back = _exchange(out, send, receive, group)
-        combined = torch.zeros_like(hidden).index_add(0, token, back.to(hidden.dtype))
-        return combined.reshape(hidden_states.shape)
+        back = all_to_all_autograd(out.contiguous(), send, receive, group)
+        # the tokens' sums in a tensor of the output's own shape, not a view: FSDP2 hooks its backward on the output,
+        # and an in-place op of the model on a returned view would drop that hook
+        combined = hidden_states.new_zeros(hidden_states.shape)
+        combined.view(-1, hidden.shape[-1]).index_add_(0, token, back.to(hidden.dtype))
+        return combined
 
     return dispatching

@@ -18,7 +18,15 @@ from torch import Tensor, nn
 
 from lightning_hybrid.dtensor import local_grad, local_tensor
 
-__all__ = ["FlatGroup", "all_gather_flat", "all_reduce_mean", "flat_grads", "reduce_scatter_flat", "unflatten_into"]
+__all__ = [
+    "DataDomain",
+    "FlatGroup",
+    "all_gather_flat",
+    "all_reduce_mean",
+    "flat_grads",
+    "reduce_scatter_flat",
+    "unflatten_into",
+]
 
 
 def reduce_scatter_flat(output: Tensor, input: Tensor, group: Any) -> None:
@@ -58,6 +66,24 @@ def unflatten_into(targets: list[Tensor], flat: Tensor) -> None:
         offset += n
 
 
+@dataclass(frozen=True)
+class DataDomain:
+    """The data-parallel ranks a flat group is averaged and sharded over: all of them for dense weights; under expert
+    parallel, for expert weights, the ``dp / ep`` ranks holding the same experts.
+
+    Example:
+        >>> DataDomain(group=None, size=2, rank=0).sharded_size(10)
+        5
+    """
+
+    group: Any
+    size: int
+    rank: int
+
+    def sharded_size(self, numel: int) -> int:
+        return -(-numel // self.size)
+
+
 @dataclass
 class FlatGroup:
     """One optimizer parameter group as a flat buffer: its parameters, their local elements in all, the shard this
@@ -69,3 +95,9 @@ class FlatGroup:
     shard_size: int  # elements of the flat group this rank steps (all of them when not sharded)
     master: Optional[nn.Parameter]  # the master copy of those elements (stage 1/2, or low-precision parameters)
     grad_buffer: Optional[Tensor] = None  # fp32 gradient accumulation (low-precision parameters)
+    domain: Optional[DataDomain] = None  # the ranks it is reduced and sharded over (set by ShardedOptimizer)
+
+    @property
+    def ranks(self) -> DataDomain:
+        assert self.domain is not None
+        return self.domain

@@ -23,7 +23,13 @@ def _strided(p: nn.Parameter) -> bool:
 
 
 def apply_fully_shard(
-    module: nn.Module, block_names: list[str], roots: Optional[list[str]], dp_mesh: DeviceMesh, **kwargs: Any
+    module: nn.Module,
+    block_names: list[str],
+    roots: Optional[list[str]],
+    dp_mesh: DeviceMesh,
+    *,
+    user_sharded: Optional[bool] = None,
+    **kwargs: Any,
 ) -> list[str]:
     """ZeRO-3: FSDP2 ``fully_shard`` each transformer block, then each root (the rest of the parameters), innermost
     first (``ModelStructure.fully_shard_roots``). ``roots=None``: the caller wraps what the blocks leave itself (each
@@ -32,11 +38,13 @@ def apply_fully_shard(
     Parameters are gathered before each block's forward/backward and freed after (``reshard_after_forward``).
     Returns the names of parameters left out of FSDP2 (fused tensor-parallel biases and, given ``roots``, those
     outside every block and root), which stay replicated: the caller must average their gradients over ``dp_mesh``.
+    ``user_sharded``: whether the user's ``configure_model`` applied ``fully_shard`` (asked here when None; a caller
+    that made units of its own first, the experts' under expert parallel, asks before).
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    if user_fully_sharded(module):
+    if user_fully_sharded(module) if user_sharded is None else user_sharded:
         # the LightningModule's configure_model applied fully_shard itself (as written for Lightning's
         # ModelParallelStrategy): a second one would fail or shard twice; what its units leave out stays replicated
         return [n for n, p in module.named_parameters() if not _sharded_over(p, dp_mesh)]

@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._lightning_compat import unwrap_optimizer
 from lightning_hybrid.dtensor import full_tensor
-from lightning_hybrid.expert_parallel import ExpertGradientSync
+from lightning_hybrid.expert_parallel import ExpertShards
+from lightning_hybrid.sharding.flat import DataDomain
 from lightning_hybrid.sharding.gradient_sync import GradientSync
 from lightning_hybrid.sharding.memory import measure_model_state_bytes
 from lightning_hybrid.sharding.norm import GradientNorm
@@ -48,7 +49,8 @@ class GradientStep:
         duplicates: parameters another stage also holds, counted once in the norm.
         bucket_cap_mb: reduce gradients in buckets of this size during backward (None: after the last backward).
         offload: step the optimizers on the host with DeepSpeedCPUAdam (``offload_optimizer``).
-        expert_sync: the expert weights' reduction under expert parallel (None without).
+        experts: the expert weights under expert parallel (None without): ZeRO-0/1/2 reduce and shard them over the
+            ranks holding the same experts.
 
     Example:
         >>> # step = GradientStep(module, strategy.optimizers, mesh=mesh, zero_stage=1, master_dtype=None, ...)
@@ -69,11 +71,15 @@ class GradientStep:
         duplicates: list[nn.Parameter],
         bucket_cap_mb: Optional[float],
         offload: bool,
-        expert_sync: Optional[ExpertGradientSync] = None,
+        experts: Optional[ExpertShards] = None,
     ) -> None:
         self.module, self.optimizers, self.device = module, optimizers, device
-        self.gradient_sync, self.tied_sync, self.expert_sync = gradient_sync, tied_sync, expert_sync
-        experts = frozenset(expert_sync.ids) if expert_sync is not None else frozenset()
+        self.gradient_sync, self.tied_sync = gradient_sync, tied_sync
+        expert_ids = experts.ids if experts is not None else frozenset()
+        expert_domain = None
+        if experts is not None:  # the ranks holding the same experts average their gradients
+            data = experts.mesh["expert_data"]
+            expert_domain = DataDomain(data.get_group(), data.size(), data.get_local_rank())
         self.sharded: list[ShardedOptimizer] = (
             [
                 ShardedOptimizer(
@@ -85,17 +91,17 @@ class GradientStep:
                     tensor_sync=gradient_sync,  # ZeRO-2 buckets apply it per bucket, before reducing
                     parameter_order=list(module.parameters()),  # reversed: the order of backward
                     host_masters=offload,
-                    reduced_elsewhere=experts,
+                    expert_parameters=expert_ids,
+                    expert_domain=expert_domain,
                 )
                 for opt in optimizers
             ]
             if zero_stage < 3
             else []
         )
-        expert_copies = mesh["data"].size() // expert_sync.expert_parallel_size if expert_sync is not None else 1
-        self.norm = GradientNorm(
-            module, self.sharded, mesh, zero_stage, duplicates, data_copies=dict.fromkeys(experts, expert_copies)
-        )
+        # replicated expert weights (ZeRO-0) are held by dp / ep ranks, not dp
+        copies = dict.fromkeys(expert_ids, expert_domain.size) if expert_domain is not None else {}
+        self.norm = GradientNorm(module, self.sharded, mesh, zero_stage, duplicates, data_copies=copies)
         self.offloads: list[Any] = []
         if offload:
             from lightning_hybrid.sharding.offload import attach_offload
@@ -139,7 +145,7 @@ class GradientStep:
             duplicates=parallelized.duplicates,
             bucket_cap_mb=zero.bucket_cap_mb if overlap else None,
             offload=zero.offload_optimizer,
-            expert_sync=parallelized.expert_sync,
+            experts=parallelized.experts,
         )
 
     def close(self) -> None:
@@ -186,8 +192,6 @@ class GradientStep:
             self.gradient_sync()
         if sharded is not None and not bucketed:
             sharded.reduce_gradients()
-        if self.expert_sync is not None:
-            self.expert_sync()
 
     # ------------------------------------------------------------------ reading the gradients
     def full_gradients(self) -> dict[str, Tensor]:

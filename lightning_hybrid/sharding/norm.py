@@ -82,10 +82,11 @@ class GradientNorm:
     def _segments(self, zero: ShardedOptimizer) -> list[list[_Segment]]:
         """Per flat group, the weighted pieces of this rank's shard (a shard can span several parameters)."""
         out = []
-        # an unsharded master (stage 0 with low-precision parameters) is held whole by every data-parallel replica
-        copies = 1 if zero.sharded else zero.dp
         for group in zero.groups:
-            lo = zero.dp_rank * group.shard_size if zero.sharded else 0
+            # an unsharded master (stage 0 with low-precision parameters) is held whole by every replica of its
+            # domain (all data-parallel ranks; for expert weights, those holding the same experts)
+            copies = 1 if zero.sharded else group.ranks.size
+            lo = group.ranks.rank * group.shard_size if zero.sharded else 0
             hi = lo + group.shard_size
             pieces, offset = [], 0
             for p in group.params:
@@ -112,7 +113,7 @@ class GradientNorm:
                         out.append((group.master.grad, pieces, 1.0))
             return out
         if sharded is not None:
-            parameters = {id(p) for p in sharded.model_parameters} | sharded.reduced_elsewhere
+            parameters = {id(p) for p in sharded.model_parameters}
         # ZeRO-0: every data-parallel replica holds the full gradient; ZeRO-3: FSDP2 shards it, except parameters it
         # was told to ignore (replicated over data)
         for p in {id(p): p for p in self.module.parameters()}.values():
@@ -171,4 +172,6 @@ def _sharded_over_data(p: nn.Parameter) -> bool:
     if not isinstance(p, DTensor):
         return False
     names = p.device_mesh.mesh_dim_names or ()
-    return "data" in names and not p.placements[names.index("data")].is_replicate()
+    # "expert_data": expert weights, which FSDP2 shards over the ranks holding the same experts
+    dim = next((names.index(n) for n in ("data", "expert_data") if n in names), None)
+    return dim is not None and not p.placements[dim].is_replicate()

@@ -29,6 +29,7 @@ from lightning_hybrid._torch_compat import tensor_version
 from lightning_hybrid.dtensor import autograd_local_grad, local_bytes, local_grad, local_tensor
 from lightning_hybrid.sharding.buckets import GradientBuckets
 from lightning_hybrid.sharding.flat import (
+    DataDomain,
     FlatGroup,
     all_gather_flat,
     all_reduce_mean,
@@ -59,8 +60,9 @@ class ShardedOptimizer:
     and ``parameter_order``, the model's parameters in registration order, gives the buckets backward's order).
     ``None`` (and stage 1): one flat reduction after the last backward pass.
 
-    ``reduced_elsewhere``: ids of parameters another reduction owns (expert weights under expert parallel, at stage
-    0 without masters): the optimizer steps them, but they are not reduced here.
+    ``expert_parameters`` (ids) and ``expert_domain``: under expert parallel, the expert weights form flat groups of
+    their own, reduced and sharded over the ranks holding the same experts (:class:`DataDomain`), not all of
+    ``dp_mesh``.
 
     Example:
         >>> # strategy code, after configure_optimizers:
@@ -79,43 +81,57 @@ class ShardedOptimizer:
         tensor_sync: Optional[GradientSync] = None,
         parameter_order: Optional[list[nn.Parameter]] = None,
         host_masters: bool = False,
-        reduced_elsewhere: frozenset[int] = frozenset(),
+        expert_parameters: frozenset[int] = frozenset(),
+        expert_domain: Optional[DataDomain] = None,
     ) -> None:
         assert stage in (0, 1, 2)
-        # parameters (ids) another reduction owns: expert weights, reduced over the ranks holding the same experts
-        self.reduced_elsewhere = reduced_elsewhere
         self.optimizer = optimizer
         # optimizer offload (sharding/offload.py): the masters live in host memory (pinned on CUDA), where
         # DeepSpeedCPUAdam steps them; on a CPU-only machine they are where they would be anyway
         self.host_masters = host_masters
         self.group = dp_mesh.get_group()
         self.dp = dp_mesh.size()
+        self.dp_rank = dp_mesh.get_local_rank()
+        self.domain = DataDomain(self.group, self.dp, self.dp_rank)
         # one replica has nothing to shard: stages 1 and 2 would only add an fp32 copy of every parameter (the
         # masters) beside the parameters themselves; it steps as stage 0 (masters only for '-true' precisions)
         stage = stage if self.dp > 1 else 0
         self.stage = stage
-        self.dp_rank = dp_mesh.get_local_rank()
         self.sharded = stage >= 1
         self.uses_masters = self.sharded or master_dtype is not None
         self.groups: list[FlatGroup] = []
         self._flat_grads: list[Optional[Tensor]] = []
         for param_group in optimizer.param_groups:
-            params = [p for p in param_group["params"] if p.requires_grad and id(p) not in reduced_elsewhere]
-            numel = sum(local_tensor(p).numel() for p in params)
-            shard = -(-numel // self.dp) if self.sharded else numel
-            master = None
-            if self.uses_masters and params:
-                start = self.dp_rank * shard if self.sharded else 0
-                master = nn.Parameter(self._master_shard(params, start, shard, master_dtype))
-                param_group["params"] = [master]
-            self.groups.append(FlatGroup(params, numel, shard, master))
+            trained = [p for p in param_group["params"] if p.requires_grad]
+            # expert weights (expert parallel) are reduced and sharded over the ranks holding the same experts: a
+            # flat group of their own in the same optimizer group, so they step with its hyper-parameters
+            split = [([p for p in trained if id(p) not in expert_parameters], self.domain)]
+            experts = [p for p in trained if id(p) in expert_parameters]
+            if experts:
+                assert expert_domain is not None
+                split.append((experts, expert_domain))
+            masters = []
+            for params, domain in split:
+                numel = sum(local_tensor(p).numel() for p in params)
+                shard = domain.sharded_size(numel) if self.sharded else numel
+                master = None
+                if self.uses_masters and params:
+                    start = domain.rank * shard if self.sharded else 0
+                    master = nn.Parameter(self._master_shard(params, start, shard, master_dtype))
+                    masters.append(master)
+                self.groups.append(FlatGroup(params, numel, shard, master, domain=domain))
+            if masters:
+                param_group["params"] = masters
         # the parameters' version counters when the masters last matched them (take_parameter_writes)
         self._gathered_versions = [_versions(g.params) for g in self.groups]
         if self.uses_masters:
             optimizer.state.clear()  # state of full parameters (if any) no longer matches the shards
             self._clear_model_gradients_on_zero_grad(optimizer)
         # ZeRO-2 reduces in buckets during every backward pass (ShardedGradientBuckets), in the shard's dtype
-        zero2_buckets = bucket_cap_mb is not None and stage == 2 and self.dp > 1 and bool(self.model_parameters)
+        # (not with expert weights: their groups reduce over other ranks, after the last backward pass)
+        bucketed = bucket_cap_mb is not None and self.dp > 1 and bool(self.model_parameters)
+        bucketed = bucketed and all(g.domain is self.domain for g in self.groups)
+        zero2_buckets = bucketed and stage == 2
         # otherwise low-precision gradients are added into a full-size fp32 buffer as they come (p.main_grad)
         self.accumulates_in_fp32 = master_dtype is not None and not zero2_buckets
         self._group_of = {id(p): g for g in self.groups for p in g.params}
@@ -135,7 +151,7 @@ class ShardedOptimizer:
                 parameter_order=parameter_order,
                 host_copies=host_masters,
             )
-        elif bucket_cap_mb is not None and not self.uses_masters and self.dp > 1 and self.model_parameters:
+        elif bucketed and not self.uses_masters:
             self.buckets = GradientBuckets(
                 list({id(p): p for p in self.model_parameters}.values()),
                 group=self.group,
@@ -196,8 +212,8 @@ class ShardedOptimizer:
         host.copy_(grad, non_blocking=True)
         return host
 
-    def _padded(self, shard: int) -> int:
-        return shard * self.dp if self.sharded else shard
+    def _padded(self, g: FlatGroup) -> int:
+        return g.shard_size * g.ranks.size if self.sharded else g.shard_size
 
     @property
     def model_parameters(self) -> list[nn.Parameter]:
@@ -208,7 +224,7 @@ class ShardedOptimizer:
         if g.grad_buffer is not None:
             return
         assert g.master is not None
-        g.grad_buffer = torch.zeros(self._padded(g.shard_size), dtype=g.master.dtype, device=g.master.device)
+        g.grad_buffer = torch.zeros(self._padded(g), dtype=g.master.dtype, device=g.master.device)
         offset = 0
         for p in g.params:
             local = local_tensor(p)
@@ -257,7 +273,7 @@ class ShardedOptimizer:
                 continue
             if seen == _versions(g.params) or any(local_tensor(p).dtype != g.master.dtype for p in g.params):
                 continue
-            start = self.dp_rank * g.shard_size if self.sharded else 0
+            start = g.ranks.rank * g.shard_size if self.sharded else 0
             g.master.copy_(self._master_shard(g.params, start, g.shard_size, None))
 
     @torch.no_grad()
@@ -296,28 +312,28 @@ class ShardedOptimizer:
             if g.grad_buffer is not None:
                 flat = g.grad_buffer
             else:
-                flat = flat_grads(g.params, pad_to=self._padded(g.shard_size))
+                flat = flat_grads(g.params, pad_to=self._padded(g))
                 if g.master is not None:
                     flat = flat.to(g.master.dtype)
             if self.sharded:
                 shard = flat.new_empty(g.shard_size)
-                reduce_scatter_flat(shard, flat, group=self.group)
-                shard.div_(self.dp)
+                reduce_scatter_flat(shard, flat, group=g.ranks.group)
+                shard.div_(g.ranks.size)
                 g.master.grad = self._to_master(shard)
                 for p in g.params:
                     p.grad = None
                 # stage 1 keeps the (unreduced) full-size buffer until the step, as ZeRO-1 accounts it
                 self._flat_grads.append(flat if self.stage == 1 else None)
                 continue
-            if self.dp > 1:
-                all_reduce_mean(flat, self.group, self.dp)
+            if g.ranks.size > 1:
+                all_reduce_mean(flat, g.ranks.group, g.ranks.size)
             if g.master is None:
                 for p in g.params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 unflatten_into([local_grad(p) for p in g.params], flat[: g.numel])
             else:
-                start = self.dp_rank * g.shard_size if self.sharded else 0
+                start = g.ranks.rank * g.shard_size if self.sharded else 0
                 g.master.grad = self._to_master(flat[start : start + g.shard_size])
                 for p in g.params:
                     p.grad = None
@@ -339,8 +355,8 @@ class ShardedOptimizer:
                 updated = updated.to(local_tensor(g.params[0]).device, non_blocking=True)
             full = updated
             if self.sharded:
-                full = updated.new_empty(g.shard_size * self.dp)
-                all_gather_flat(full, updated, group=self.group)
+                full = updated.new_empty(g.shard_size * g.ranks.size)
+                all_gather_flat(full, updated, group=g.ranks.group)
             unflatten_into([local_tensor(p) for p in g.params], full[: g.numel])
             g.master.grad = None
         self._gathered_versions = [_versions(g.params) for g in self.groups]  # what take_parameter_writes compares
@@ -368,8 +384,8 @@ class ShardedOptimizer:
                 out.extend(local_grad(p) for p in g.params)
                 continue
             if self.sharded and g.master.grad is not None:  # only this rank's shard is reduced: gather them
-                flat = g.master.grad.new_empty(g.shard_size * self.dp)
-                all_gather_flat(flat, g.master.grad, group=self.group)
+                flat = g.master.grad.new_empty(g.shard_size * g.ranks.size)
+                all_gather_flat(flat, g.master.grad, group=g.ranks.group)
             offset = 0
             for p in g.params:
                 n = local_tensor(p).numel()
@@ -384,12 +400,8 @@ class ShardedOptimizer:
         return total + sum(g.master.numel() * g.master.element_size() for g in self.groups if g.master is not None)
 
     def gradient_bytes(self) -> int:
-        """Bytes of gradients this rank holds at the step (full, reduced-shard or fp32 accumulation buffer), those
-        reduced elsewhere (expert weights) included."""
-        elsewhere = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) in self.reduced_elsewhere]
-        return self._reduced_gradient_bytes() + sum(local_bytes(p.grad) for p in elsewhere if p.grad is not None)
+        """Bytes of gradients this rank holds at the step (full, reduced-shard or fp32 accumulation buffer)."""
 
-    def _reduced_gradient_bytes(self) -> int:
         if isinstance(self.buckets, GradientBuckets):
             # kept between steps, as DDP's buckets; the gradients are views of them (the few used-flag elements after
             # them are bookkeeping, not gradients)
