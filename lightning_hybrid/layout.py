@@ -78,7 +78,7 @@ class LayoutRequest:
                     f" {tp * pp * dp}, but the world size is {world_size}. Set `data_parallel_size='auto'`"
                     f" (= {world_size // (tp * pp)}) or change the sizes so that their product is {world_size}."
                 )
-        _check_expert_parallel(self.expert_parallel_size, dp, tp)
+        _check_expert_parallel(self.expert_parallel_size, dp, self.sequence_parallel)
         return ParallelLayout(
             world_size=world_size,
             tensor_parallel_size=tp,
@@ -156,7 +156,7 @@ class ParallelLayout:
                 **self.recorded_options()}  # fmt: skip
 
 
-def _check_expert_parallel(ep: int, dp: int, tp: int) -> None:
+def _check_expert_parallel(ep: int, dp: int, sequence_parallel: bool) -> None:
     """Expert parallel is carved out of the data-parallel ranks; what it does not compose with yet is refused."""
     if ep == 1:
         return
@@ -165,11 +165,12 @@ def _check_expert_parallel(ep: int, dp: int, tp: int) -> None:
             f"`expert_parallel_size={ep}` must divide the data-parallel size ({dp}): the experts are split over"
             f" groups of {ep} data-parallel ranks. Choose a divisor of {dp}, or change the world size."
         )
-    if tp != 1:
+    if sequence_parallel:
+        # each tensor-parallel rank would route only its sequence shard: the router's and the experts' gradients
+        # would need a sum over the tensor-parallel ranks that is not written (the first-step check catches it)
         raise HybridConfigError(
-            f"`expert_parallel_size={ep}` runs with `tensor_parallel_size=1` only for now (got {tp}). Set"
-            " `tensor_parallel_size=1`, or split the experts over the tensor-parallel ranks instead"
-            " ('moe_tp_experts', docs/expert-parallel.md)."
+            f"`expert_parallel_size={ep}` does not run with `sequence_parallel=True` yet: each tensor-parallel rank"
+            " would route only its part of the sequence. Set `sequence_parallel=False` (docs/expert-parallel.md)."
         )
 
 

@@ -167,6 +167,8 @@ def parallelize(
             plan = build_tensor_parallel_plan(
                 module, structure, tp_options.plan, vocab_parallel_loss=tp_options.vocab_parallel_loss
             )
+            if layout.expert_parallel_size > 1:  # the experts go to expert ranks, whole on each tensor rank
+                plan.without([e.name for e in find_expert_modules(module)[0]])
             validate_tensor_parallel_plan(module, plan, layout.tensor_parallel_size)
     # 2. pipeline parallel: the cut (this rank keeps its stages; the others' blocks become stubs)
     cut = _cut_pipeline(module, structure, layout, mesh, precision) if layout.pipeline_parallel_size > 1 else None

@@ -113,6 +113,19 @@ class TensorParallelPlan:
             self.inside_split = {n for n in self.inside_split if held(n)}
         # vocab_parallel_head stays even when another stage holds the head: the loss runs there, under loss_parallel
 
+    def without(self, names: list[str]) -> None:
+        """Drop the entries of the modules ``names`` and everything inside them: under expert parallel, the experts
+        modules are split over expert ranks instead, and each tensor-parallel rank holds its expert shard whole."""
+
+        def kept(name: str) -> bool:
+            return not any(name == n or name.startswith(n + ".") for n in names)
+
+        self.styles = {n: s for n, s in self.styles.items() if kept(n)}
+        for attribute in ("attention_modules", "sharded_region_modules", "gradient_sum_modules", "full_width_modules"):
+            setattr(self, attribute, {n for n in getattr(self, attribute) if kept(n)})
+        if self.inside_split is not None:
+            self.inside_split = {n for n in self.inside_split if kept(n)}
+
     def describe(self) -> str:
         lines = [f"  {name}: {type(style).__name__}" for name, style in self.styles.items()]
         return "\n".join(lines)
