@@ -53,6 +53,9 @@ CASES = [
     _case("deepseek_v3-ep2-pp2", "hf-deepseek_v3", 4, 2, expert_parallel_size=2, pipeline_parallel_size=2),
     _case("qwen2_moe-ep2-pp2-zero3", "hf-qwen2_moe", 4, 2, expert_parallel_size=2, pipeline_parallel_size=2,
           zero_stage=3),
+    # more families, found by structure only (tests/zoo_models.py)
+    *[_case(f"{family}-ep2", f"hf-{family}", 2, 2, expert_parallel_size=2, zero_stage=1)
+      for family in ("olmoe", "gpt_oss", "granitemoe", "ernie4_5_moe", "glm4_moe")],
     # no mixture-of-experts layer: refused, not trained as if split
     _case("llama-refused", "hf-llama", 2, 2,
           r"HybridConfigError: `expert_parallel_size=2`, but .* has no mixture-of-experts", expert_parallel_size=2),

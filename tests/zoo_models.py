@@ -75,6 +75,37 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "n_group": 1,
         "topk_group": 1,
     },
+    # more MoE families for expert parallel, found by structure only: OLMoE, GPT-OSS (expert biases, its own gated
+    # activation, `router_indices`/`routing_weights`), Granite-MoE (`block_sparse_moe`), ERNIE-4.5-MoE, GLM-4-MoE
+    "olmoe": {"intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 2},
+    "gpt_oss": {
+        "intermediate_size": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "layer_types": ["full_attention", "full_attention"],
+    },
+    "granitemoe": {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 2},
+    "ernie4_5_moe": {
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "moe_num_experts": 4,
+        "moe_k": 2,
+        "num_key_value_heads": 2,
+        "moe_layer_start_index": 0,
+    },
+    "glm4_moe": {
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "first_k_dense_replace": 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "head_dim": 8,
+    },
     "qwen2_moe": {
         "intermediate_size": 64,
         "moe_intermediate_size": 16,
@@ -115,7 +146,7 @@ class HFCausalLM(_NextTokenLM):
 
         self.save_hyperparameters()
         self.learning_rate = learning_rate
-        kwargs = {**COMMON, **FAMILIES[family], **config}
+        kwargs = {**COMMON, **FAMILIES.get(family, {}), **config}  # a family met outside: its config in `config`
         config = AutoConfig.for_model(family, **kwargs)
         self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         # without one (example_input=False), nothing can trace the forward before the first batch
