@@ -162,7 +162,7 @@ def parallelize(
         # data parallel and ZeRO train any module: only these settings need a block list
         structure = find_model_structure(module, options.transformer_blocks, needed_by)
         if layout.expert_parallel_size > 1:
-            _check_expert_parallel(module, layout, precision)
+            _check_experts_dispatchable(module, layout, precision)
         if layout.tensor_parallel_size > 1 and not user_parallelized:
             plan = build_tensor_parallel_plan(
                 module, structure, tp_options.plan, vocab_parallel_loss=tp_options.vocab_parallel_loss
@@ -225,8 +225,9 @@ def parallelize(
     )
 
 
-def _check_expert_parallel(module: nn.Module, layout: ParallelLayout, precision: HybridPrecision) -> None:
-    """Refuse, on the whole model (every rank plans the same), what expert parallel cannot split."""
+def _check_experts_dispatchable(module: nn.Module, layout: ParallelLayout, precision: HybridPrecision) -> None:
+    """Refuse, on the whole model (every rank plans the same, whichever pipeline stage it will hold), what expert
+    parallel cannot split."""
     ep = layout.expert_parallel_size
     experts, refused = find_expert_modules(module)
     if refused:
@@ -241,6 +242,12 @@ def _check_expert_parallel(module: nn.Module, layout: ParallelLayout, precision:
         raise HybridConfigError(
             f"`expert_parallel_size={ep}`, but {type(module).__name__} has no mixture-of-experts layer to split"
             " (no experts module with packed expert weights). Use `expert_parallel_size=1`."
+        )
+    uneven = [f"{e.name!r} ({e.num_experts})" for e in experts if e.num_experts % ep]
+    if uneven:
+        raise HybridConfigError(
+            f"`expert_parallel_size={ep}` does not divide the number of experts of {', '.join(uneven)}. Choose an"
+            " expert_parallel_size that divides every MoE layer's expert count."
         )
     if precision.master_dtype is not None:
         raise HybridConfigError(

@@ -20,7 +20,7 @@ from lightning_hybrid import HybridConfigError
 from lightning_hybrid.expert_parallel import find_expert_modules
 from lightning_hybrid.layout import LayoutRequest
 from tests.conftest import relative_error, share
-from tests.harness import build_module, check_trained_or_refused
+from tests.harness import build_module, check_trained_or_refused, run_reference
 
 STEPS = 3
 BATCH = 4
@@ -43,6 +43,10 @@ CASES = [
     _case("qwen3_moe-ep2-dp4-zero1", "hf-qwen3_moe", 4, 4, expert_parallel_size=2, zero_stage=1),
     _case("qwen3_moe-ep2-dp4-zero3", "hf-qwen3_moe", 4, 4, expert_parallel_size=2, zero_stage=3),
     _case("mixtral-ep2-dp4-zero2", "hf-mixtral", 4, 4, expert_parallel_size=2, zero_stage=2),
+    # clipping by the global norm (every step clips): each expert element counted once, whether its shard is held
+    # whole by the dp / ep ranks holding it (ZeRO-0) or sharded over them (ZeRO-1)
+    *[{**_case(f"mixtral-ep2-dp4-zero{z}-clip", "hf-mixtral", 4, 4, expert_parallel_size=2, zero_stage=z),
+       "trainer": {"gradient_clip_val": 1e-3}} for z in (0, 1)],
     # with tensor parallel: the attention split over two ranks, the experts whole on each of them, split over the
     # two data-parallel ranks (the model's own `moe_tp_experts` plan entries give way)
     _case("mixtral-ep2-tp2-zero1", "hf-mixtral", 4, 2, expert_parallel_size=2, tensor_parallel_size=2, zero_stage=1),
@@ -88,6 +92,12 @@ def test_expert_parallel_matches_one_device_or_is_refused(shared_groups, case: d
     world = case["world"]
     group = shared_groups(world)
     check_trained_or_refused(group, case, world)
+    if "gradient_clip_val" in case.get("trainer", {}):
+        # the global norm that clipping used, step by step, is one device's: each expert element counted once
+        reference = run_reference({k: v for k, v in case.items() if k not in ("strategy", "refusal")})
+        got, want = group.get(case["name"])["norms"], reference["norms"]
+        assert len(got) == len(want) == STEPS, (got, want)
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, want)), (got, want)
     if case["refusal"] or any(case["strategy"].get(f"{d}_parallel_size", 1) > 1 for d in ("pipeline", "tensor")):
         return  # the dense weights are split further: counted in the tp = pp = 1 cases
     # measured: each rank holds every dense weight and 1/ep of the expert weights (fp32); under ZeRO-3 both are

@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_hybrid._torch_compat import all_to_all_autograd
-from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import local_parameters
 from lightning_hybrid.expert_parallel.discover import EXPERT_COUNT_ATTRIBUTES, ExpertModule
 
@@ -41,10 +40,6 @@ class ExpertShards:
     mesh: DeviceMesh
 
     @property
-    def expert_parallel_size(self) -> int:
-        return self.mesh["expert"].size()
-
-    @property
     def ids(self) -> frozenset[int]:
         return frozenset(id(p) for p in self.params)
 
@@ -60,12 +55,7 @@ def apply_expert_parallel(module: nn.Module, experts: list[ExpertModule], expert
     ep = ep_mesh.size()
     modules = []
     sharded: list[nn.Parameter] = []
-    for expert in experts:
-        if expert.num_experts % ep != 0:
-            raise HybridConfigError(
-                f"`expert_parallel_size={ep}` does not divide the {expert.num_experts} experts of {expert.name!r}."
-                f" Choose an expert_parallel_size that divides {expert.num_experts}."
-            )
+    for expert in experts:  # ep divides each expert count: checked on the whole model, on every rank
         sub = module.get_submodule(expert.name)
         for name, param in list(sub.named_parameters(recurse=False)):
             # from expert-parallel rank 0's weights, as tensor parallel's shards are: one device's initialisation

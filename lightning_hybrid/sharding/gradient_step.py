@@ -99,9 +99,7 @@ class GradientStep:
             if zero_stage < 3
             else []
         )
-        # replicated expert weights (ZeRO-0) are held by dp / ep ranks, not dp
-        copies = dict.fromkeys(expert_ids, expert_domain.size) if expert_domain is not None else {}
-        self.norm = GradientNorm(module, self.sharded, mesh, zero_stage, duplicates, data_copies=copies)
+        self.norm = GradientNorm(module, self.sharded, mesh, zero_stage, duplicates)
         self.offloads: list[Any] = []
         if offload:
             from lightning_hybrid.sharding.offload import attach_offload

@@ -51,8 +51,7 @@ class GradientNorm:
     """Computes the global norm of the gradients the optimizers will step on, and clips them.
 
     ``duplicates`` are parameters whose gradient another pipeline stage also holds (a tied embedding's second copy):
-    they are left out of the norm (weight 0) but still clipped. ``data_copies``: parameters (ids) that fewer than all
-    data-parallel ranks hold whole, and how many do (expert weights: ``dp / ep``).
+    they are left out of the norm (weight 0) but still clipped.
 
     Example:
         >>> # norm = GradientNorm(module, sharded_optimizers, mesh, zero_stage=1)
@@ -66,13 +65,12 @@ class GradientNorm:
         mesh: DeviceMesh,
         zero_stage: int,
         duplicates: Iterable[nn.Parameter] = (),
-        data_copies: Optional[dict[int, int]] = None,
     ) -> None:
         self.module, self.sharded, self.zero_stage = module, sharded, zero_stage
         self.tp, self.dp = mesh["tensor"].size(), mesh["data"].size()
-        # parameters (ids) held whole by fewer data-parallel ranks than all of them: an expert shard is held by the
-        # dp / ep ranks that hold the same experts
-        self.data_copies = data_copies or {}
+        # how many data-parallel ranks hold each parameter whole at ZeRO-0: its flat group's ranks (all dp, or for an
+        # expert shard the dp / ep ranks holding the same experts)
+        self.data_copies = {id(p): g.ranks.size for z in sharded for g in z.groups for p in g.params}
         skip = {id(p) for p in duplicates}
         self.weights = {
             id(p): 0.0 if id(p) in skip else 1.0 / _tensor_parallel_copies(p, self.tp) for p in module.parameters()
