@@ -39,6 +39,7 @@ __all__ = [
     "extension_build_directory",
     "flight_recorder_dumper",
     "group_options",
+    "inside_backward",
     "is_strided_shard",
     "copy_with_child",
     "module_children",
@@ -157,6 +158,12 @@ def style_output_fn(style: Any) -> Callable[..., Any]:
 
 
 # --- autograd -------------------------------------------------------------------------------------------------------
+
+
+def inside_backward() -> bool:
+    """Whether this code runs inside a backward pass (an activation-checkpointed block's recomputed forward, a
+    gradient hook): ``torch._C._current_graph_task_id() != -1``. Public replacement: none in 2.11-2.13."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def queue_autograd_callback(callback: Callable[[], None]) -> None:

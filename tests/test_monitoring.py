@@ -138,10 +138,14 @@ def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
     strategy = HybridStrategy(**options["strategy"])
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, callbacks=callbacks, **kwargs)
     result: dict[str, Any] = {"error": None}
+    if options.get("count_routing"):
+        result["routed"] = _count_routing(module, trainer)
     try:
         trainer.fit(module, train_dataloaders=loader)
     except HealthCheckError as error:  # raised on every rank alike: nobody is left waiting in a collective
         result["error"] = str(error)
+    if options.get("count_routing"):
+        result["tensor_rank"] = strategy.device_mesh["tensor"].get_local_rank()
     if monitor is not None:
         result["alerts"] = monitor.alerts
         result["last_metrics"] = monitor.last_metrics
@@ -161,6 +165,28 @@ def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
     if monitors:
         result["last_metrics"] = monitors[0].last_metrics
     return result
+
+
+def _count_routing(module: Any, trainer: Any) -> dict[int, dict[str, list[int]]]:
+    """What the router chose on this rank, seen apart from the strategy: a hook before each experts module (the
+    dispatch runs inside it) counts the expert indices it is given, per optimizer step, once per forward."""
+    from lightning_hybrid.expert_parallel import find_expert_modules
+
+    routed: dict[int, dict[str, list[int]]] = {}
+    experts, _ = find_expert_modules(module)
+
+    def hook(name: str, num_experts: int) -> Any:
+        def count(sub: Any, args: tuple) -> None:
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # not a recomputation
+                step = routed.setdefault(trainer.global_step + 1, {})
+                counts = torch.bincount(args[1].reshape(-1), minlength=num_experts).tolist()
+                step[name] = [a + b for a, b in zip(step.get(name, [0] * num_experts), counts)]
+
+        return count
+
+    for e in experts:
+        module.get_submodule(e.name).register_forward_pre_hook(hook(e.name, e.num_experts))
+    return routed
 
 
 class _Perturb:
@@ -186,8 +212,8 @@ def _module(kind: str) -> Any:
     from examples.nanogpt import NanoGPT
     from tests.harness import MODEL_DEFAULTS, build_module
 
-    if kind == "nanogpt":
-        return build_module("nanogpt")
+    if kind in ("nanogpt", "hf-mixtral"):
+        return build_module(kind)
 
     class Tracked(NanoGPT):
         """nanoGPT with torchmetrics that expose double counting (a sum), and a NaN loss at a chosen step."""
@@ -239,6 +265,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "perturb": {"strategy": {"tensor_parallel_size": 2, "zero_stage": 0}, "health": "perturb"},
     "device_map": {"strategy": {"tensor_parallel_size": 2}, "health": "bad_device_map", "trainer": {"max_steps": 1}},
     "example_metric": {},
+    # Mixtral's experts over the two data-parallel ranks, with tensor parallel (ZeRO-1), logged to an offline W&B
+    # run: tokens per expert and layer (tensor peers route the same tokens: counted once), the all-to-all's share
+    "experts": {
+        "strategy": {"expert_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1},
+        "module": "hf-mixtral",
+        "wandb": True,
+        "count_routing": True,
+        "trainer": {"log_every_n_steps": LOG_EVERY},
+    },
 }
 
 
@@ -360,7 +395,7 @@ MONITOR_METRICS = [
     "train/loss_scale", "train/skipped_steps", "throughput/tokens_per_s", "throughput/samples_per_s",
     "throughput/step_time_s", "memory/peak_bytes_max", "memory/peak_bytes_min",
     "memory/model_state_bytes_max", "memory/model_state_bytes_min", "comm/share", "comm/share_tensor",
-    "comm/share_pipeline", "comm/share_data", "pipeline/bubble_fraction", "throughput/flops_per_s",
+    "comm/share_pipeline", "comm/share_data", "comm/share_expert", "pipeline/bubble_fraction", "throughput/flops_per_s",
     "throughput/flops_per_s_per_device",
 ]  # fmt: skip
 # (plus ``throughput/mfu`` where the device's peak is known: never on CPU by Lightning's table, so only where given;
@@ -400,9 +435,39 @@ def test_offline_wandb_run_holds_every_metric_once_per_logging_step_and_the_layo
     assert {r["last_metrics"]["train/loss"] for r in results} == {rows[-1]["train/loss"]}
 
 
+def test_tokens_per_expert_and_the_all_to_all_share_reach_wandb(group: dict[str, Any]) -> None:
+    """Each MoE layer's tokens per expert on a logging step are what the router chose on every data-parallel rank
+    that step, summed (counted apart from the strategy, before the dispatch): every token's top-k once."""
+    results = _result(group, "experts")
+    runs = list((group["out"] / "experts").rglob("offline-run-*"))
+    assert len(runs) == 1, runs
+    rows = [row for row in _read_wandb_run(runs[0])["history"] if "train/loss" in row]
+    assert [row["trainer/global_step"] for row in rows] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    layers = sorted(results[0]["routed"][LOG_EVERY])
+    assert len(layers) == 2, layers  # the tiny Mixtral's two MoE layers
+    replicas = [r for r in results if r["tensor_rank"] == 0]
+    assert len(replicas) == 2
+    for row in rows:
+        step = int(row["trainer/global_step"])
+        for layer in layers:
+            # tensor peers saw the same tokens, and route them alike
+            assert [r["routed"][step][layer] for r in results if r["tensor_rank"] == 1] == [
+                r["routed"][step][layer] for r in replicas
+            ]
+            routed = [sum(col) for col in zip(*(r["routed"][step][layer] for r in replicas))]
+            logged = [row[f"experts/{layer}/tokens_{i}"] for i in range(len(routed))]
+            assert logged == routed, (step, layer, logged, routed)
+            assert sum(logged) == len(replicas) * 4 * 16 * 2  # replicas x samples x tokens x top-2
+            assert row[f"experts/{layer}/load_imbalance"] == pytest.approx(max(routed) * len(routed) / sum(routed))
+        assert row["experts/load_imbalance_max"] >= 1
+        assert row["comm/share_expert"] > 0 and row["comm/share_data"] > 0 and row["comm/share_tensor"] > 0
+    assert any("experts max/mean" in line for line in group["log"].splitlines())
+
+
 def test_console_line_every_n_steps(group: dict[str, Any]) -> None:
     _result(group, "wandb")
     lines = [line for line in group["log"].splitlines() if " | loss " in line and line.lstrip().startswith("step ")]
+    lines = [line for line in lines if "experts max/mean" not in line]  # the experts scenario's own
     wandb_lines = [line for line in lines if "bubble" in line and "comm" in line]
     steps = [int(line.split()[1]) for line in wandb_lines]
     # the wandb and metrics scenarios both log at steps 2 and 4, and print once (rank 0) each time

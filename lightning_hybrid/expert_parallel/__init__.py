@@ -6,6 +6,13 @@ dispatching tokens (``dispatch``). Their gradients are reduced by ZeRO over the 
 (``sharding.flat.DataDomain``; FSDP2 at ZeRO-3)."""
 
 from lightning_hybrid.expert_parallel.discover import ExpertModule, find_expert_modules
-from lightning_hybrid.expert_parallel.dispatch import ExpertShards, apply_expert_parallel, shard_experts
+from lightning_hybrid.expert_parallel.dispatch import ExpertLoad, ExpertShards, apply_expert_parallel, shard_experts
 
-__all__ = ["ExpertModule", "ExpertShards", "apply_expert_parallel", "find_expert_modules", "shard_experts"]
+__all__ = [
+    "ExpertLoad",
+    "ExpertModule",
+    "ExpertShards",
+    "apply_expert_parallel",
+    "find_expert_modules",
+    "shard_experts",
+]

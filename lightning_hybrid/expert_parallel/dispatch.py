@@ -9,9 +9,10 @@ the sending rank, as the module adds a token's top-k outputs on one device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,25 +20,58 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_hybrid._torch_compat import all_to_all_autograd
+from lightning_hybrid._torch_compat import all_to_all_autograd, inside_backward
 from lightning_hybrid.dtensor import local_parameters
 from lightning_hybrid.expert_parallel.discover import EXPERT_COUNT_ATTRIBUTES, ExpertModule
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ExpertShards", "apply_expert_parallel", "dispatched_forward", "shard_experts"]
+__all__ = ["ExpertLoad", "ExpertShards", "apply_expert_parallel", "dispatched_forward", "shard_experts"]
+
+
+class ExpertLoad:
+    """Tokens routed to each expert, per experts module, counted by the dispatch while :attr:`counting` (the monitor
+    turns it on for the steps it logs): the (token, expert) pairs of this rank's own tokens, by the expert's index in
+    the whole layer. Summed over the data-parallel ranks (one tensor-parallel rank of each: its peers route the same
+    tokens) they are the layer's load. A forward recomputed in the backward (activation checkpointing) is not
+    counted again.
+
+    Example:
+        >>> load = ExpertLoad()
+        >>> load.counting = True
+        >>> load.add("layers.0.mlp.experts", torch.tensor([0, 3, 3, 1]), num_experts=4)
+        >>> load.take()
+        {'layers.0.mlp.experts': [1, 1, 0, 2]}
+    """
+
+    def __init__(self) -> None:
+        self.counting = False
+        self._tokens: dict[str, Tensor] = {}
+
+    def add(self, name: str, experts: Tensor, num_experts: int) -> None:
+        if not self.counting or inside_backward():
+            return
+        counts = torch.bincount(experts.detach(), minlength=num_experts)
+        self._tokens[name] = self._tokens[name] + counts if name in self._tokens else counts
+
+    def take(self) -> dict[str, list[int]]:
+        """The counts so far (plain lists, to gather), forgotten here."""
+        tokens, self._tokens = self._tokens, {}
+        return {name: counts.tolist() for name, counts in tokens.items()}
 
 
 @dataclass(frozen=True)
 class ExpertShards:
     """What expert parallel split on this rank: the expert weights it holds (DTensors, ``Shard(0)`` over the
     expert-parallel ranks), the experts modules, and the expert mesh (``("pipeline", "expert_data", "expert",
-    "tensor")``), whose ``expert_data`` ranks hold the same experts and reduce their gradients together."""
+    "tensor")``), whose ``expert_data`` ranks hold the same experts and reduce their gradients together; and the
+    tokens each expert received (:class:`ExpertLoad`, for the monitor)."""
 
     params: list[nn.Parameter]
     modules: list[nn.Module]
     mesh: DeviceMesh
+    load: ExpertLoad = field(default_factory=ExpertLoad)
 
     @property
     def ids(self) -> frozenset[int]:
@@ -55,6 +89,7 @@ def apply_expert_parallel(module: nn.Module, experts: list[ExpertModule], expert
     ep = ep_mesh.size()
     modules = []
     sharded: list[nn.Parameter] = []
+    load = ExpertLoad()
     for expert in experts:  # ep divides each expert count: checked on the whole model, on every rank
         sub = module.get_submodule(expert.name)
         for name, param in list(sub.named_parameters(recurse=False)):
@@ -62,9 +97,10 @@ def apply_expert_parallel(module: nn.Module, experts: list[ExpertModule], expert
             shard = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             sub.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
             sharded.append(sub.get_parameter(name))
-        sub.forward = dispatched_forward(sub, sub.forward, expert.num_experts, ep_mesh.get_group(), ep)
+        count = functools.partial(load.add, expert.name, num_experts=expert.num_experts)
+        sub.forward = dispatched_forward(sub, sub.forward, expert.num_experts, ep_mesh.get_group(), ep, count)
         modules.append(sub)
-    return ExpertShards(sharded, modules, expert_mesh)
+    return ExpertShards(sharded, modules, expert_mesh, load)
 
 
 def shard_experts(experts: ExpertShards, **fsdp_kwargs: Any) -> None:
@@ -92,10 +128,16 @@ def _local_expert_count(module: nn.Module, total: int, local: int) -> Iterator[N
 
 
 def dispatched_forward(
-    module: nn.Module, forward: Callable[..., Tensor], num_experts: int, group: Any, ep: int
+    module: nn.Module,
+    forward: Callable[..., Tensor],
+    num_experts: int,
+    group: Any,
+    ep: int,
+    count: Callable[[Tensor], None] = lambda experts: None,
 ) -> Callable[..., Tensor]:
     """``forward(hidden_states, top_k_index, top_k_weights, ...)`` of ``module`` with its tokens sent to the ranks
-    holding their experts (``num_experts`` in all, ``num_experts / ep`` on each rank of ``group``)."""
+    holding their experts (``num_experts`` in all, ``num_experts / ep`` on each rank of ``group``); ``count`` is
+    given the expert index of every routed pair (the load the monitor logs)."""
     per_rank = num_experts // ep
     weight_names = [name for name, _ in module.named_parameters(recurse=False)]
 
@@ -108,6 +150,7 @@ def dispatched_forward(
         # as the module's own loop over experts skips it
         routed = (experts >= 0) & (experts < num_experts)
         experts, weights, token = experts[routed], weights[routed], token[routed]
+        count(experts)
         destination = torch.div(experts, per_rank, rounding_mode="floor")
         order = torch.argsort(destination, stable=True)
         experts, weights, token = experts[order], weights[order], token[order]

@@ -20,12 +20,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_hybrid._version import __version__
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.monitoring.comm import CommunicationMeter
+from lightning_hybrid.monitoring.console import format_console_line
+from lightning_hybrid.monitoring.experts import expert_load_metrics, expert_shards_of, take_expert_tokens
 from lightning_hybrid.monitoring.flops import count_parameters, device_peak_flops, transformer_flops_per_token
 from lightning_hybrid.monitoring.loggers import use_offline_wandb_without_credentials
 
 __all__ = ["HybridMonitor"]
 
-DIMENSIONS = ("tensor", "pipeline", "data")
+DIMENSIONS = ("tensor", "pipeline", "data", "expert")
 _LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers", "n_layers")
 _HIDDEN_KEYS = ("n_embd", "hidden_size", "d_model", "dim")
 
@@ -46,9 +48,13 @@ class HybridMonitor(L.Callback):
       on CPU), ``throughput/mfu`` (when the device peak is known or given);
     - ``memory/peak_bytes_max``, ``memory/peak_bytes_min`` (over ranks; CUDA allocator peak, or the process's peak
       RSS on CPU), ``memory/model_state_bytes_max``, ``memory/model_state_bytes_min``;
-    - ``comm/share`` and ``comm/share_tensor|pipeline|data`` (seconds in collectives / step time, mean over ranks,
-      measured on the logging step with :class:`CommunicationMeter`), ``pipeline/bubble_fraction`` (mean over ranks
-      of the measured idle share; 0 without pipeline parallel).
+    - ``comm/share`` and ``comm/share_tensor|pipeline|data|expert`` (seconds in collectives / step time, mean over
+      ranks, measured on the logging step with :class:`CommunicationMeter`; ``expert`` is expert parallel's
+      all-to-all), ``pipeline/bubble_fraction`` (mean over ranks of the measured idle share; 0 without pipeline
+      parallel);
+    - under expert parallel, each MoE layer's tokens per expert on the logging step (``experts/<layer>/tokens_<i>``,
+      ``tokens_min``, ``tokens_max``) and its ``load_imbalance`` (the most loaded expert over the mean), with
+      ``experts/load_imbalance_max`` over the layers (:func:`~lightning_hybrid.monitoring.experts.expert_load_metrics`).
 
     Arguments:
         log_every_n_steps: logging interval in optimizer steps (default: the Trainer's ``log_every_n_steps``).
@@ -65,6 +71,8 @@ class HybridMonitor(L.Callback):
         skipped_steps_alert: alert when this many optimizer steps were skipped (fp16 overflow) within
             ``loss_spike_window`` steps (0: never).
         alert_fn: called as ``alert_fn(title, text)`` for every alert (in addition to W&B or the warning).
+        tokens_per_expert: also log each expert's token count under expert parallel (one metric per expert and
+            layer); False keeps the per-layer imbalance, minimum and maximum only.
 
     :class:`~lightning_hybrid.HybridStrategy` adds ``HybridMonitor()`` whenever the Trainer has a logger
     (``monitor=False`` turns that off; ``monitor=HybridMonitor(...)`` chooses the settings; one listed in the
@@ -92,6 +100,7 @@ class HybridMonitor(L.Callback):
         loss_spike_window: int = 20,
         skipped_steps_alert: int = 3,
         alert_fn: Optional[Callable[[str, str], None]] = None,
+        tokens_per_expert: bool = True,
     ) -> None:
         _check_arguments(
             log_every_n_steps=log_every_n_steps,
@@ -111,6 +120,7 @@ class HybridMonitor(L.Callback):
         self.loss_spike_factor, self.loss_spike_window = loss_spike_factor, loss_spike_window
         self.skipped_steps_alert = skipped_steps_alert
         self.alert_fn = alert_fn
+        self.tokens_per_expert = tokens_per_expert
         self.alerts: list[tuple[int, str, str]] = []
         """Every alert raised: (global step, title, text)."""
         self.last_metrics: dict[str, float] = {}
@@ -150,10 +160,16 @@ class HybridMonitor(L.Callback):
             self._last_batch_end = time.perf_counter()
         logging_step = (trainer.global_step + 1) % self._every(trainer) == 0
         self.wants_gradient_norm = logging_step
+        experts = expert_shards_of(trainer.strategy)
+        if experts is not None and logging_step:
+            experts.load.counting = True  # the logging step's tokens per expert, all its micro-batches
         if self.measure_communication and self._meter is None and logging_step:
             mesh = _mesh(trainer)
-            tensor_parallel = mesh is not None and mesh["tensor"].size() > 1
-            self._meter = CommunicationMeter(mesh, functional_collectives=tensor_parallel).__enter__()
+            # DTensor's (tensor parallel) and the expert dispatch's all-to-alls are functional collectives
+            functional = mesh is not None and mesh["tensor"].size() > 1 or experts is not None
+            expert_mesh = experts.mesh if experts is not None else None
+            self._meter = CommunicationMeter(mesh, expert_mesh=expert_mesh, functional_collectives=functional)
+            self._meter.__enter__()
             self._meter_start = time.perf_counter()
 
     def on_train_batch_end(
@@ -249,6 +265,7 @@ class HybridMonitor(L.Callback):
             "comm_total": sum(comm_seconds.values()) / measured_time if measured_time else 0.0,
             "bubble": float(timeline.bubble_fraction) if timeline is not None else 0.0,
             "seconds": window["seconds"],
+            "expert_tokens": take_expert_tokens(strategy),
         }
         everyone = _gather(mine)
         steps = max(1, window["steps"])
@@ -283,6 +300,7 @@ class HybridMonitor(L.Callback):
             metrics["throughput/flops_per_s_per_device"] = rates["flops_per_sec"] / trainer.world_size
         if "mfu" in rates:
             metrics["throughput/mfu"] = rates["mfu"]
+        metrics.update(expert_load_metrics([r["expert_tokens"] for r in everyone], self.tokens_per_expert))
         self.last_metrics = metrics
         self._log_config(trainer, window)
         if trainer.is_global_zero:
@@ -491,47 +509,6 @@ def run_config(trainer: L.Trainer) -> dict[str, Any]:
         command=" ".join(sys.argv),
     )
     return config
-
-
-def format_console_line(metrics: dict[str, float]) -> str:
-    """One compact line: global step and batch, loss, LR, throughput, MFU, peak memory, communication, bubble.
-
-    Example:
-        >>> format_console_line({"trainer/global_step": 10, "trainer/global_batch_index": 10, "train/loss": 2.5,
-        ...     "train/lr": 1e-3, "throughput/tokens_per_s": 1234.0, "throughput/samples_per_s": 9.6,
-        ...     "throughput/step_time_s": 0.5, "memory/peak_bytes_max": 2**30, "memory/peak_bytes_min": 2**29,
-        ...     "comm/share": 0.2, "comm/share_tensor": 0.1, "comm/share_pipeline": 0.05, "comm/share_data": 0.05,
-        ...     "pipeline/bubble_fraction": 0.25})
-        'step 10 | batch 10 | loss 2.5000 | lr 1.00e-03 | 1.23k tok/s | 9.6 samples/s | step 0.500s | mem 1.00/0.50 GiB | comm 20% (tp 10% pp 5% dp 5%) | bubble 25%'
-    """  # noqa: E501
-    m = metrics
-    parts = [
-        f"step {int(m['trainer/global_step'])}",
-        f"batch {int(m['trainer/global_batch_index'])}",
-        f"loss {m['train/loss']:.4f}",
-        f"lr {m['train/lr']:.2e}",
-        f"{_si(m['throughput/tokens_per_s'])} tok/s",
-        f"{m['throughput/samples_per_s']:.1f} samples/s",
-        f"step {m['throughput/step_time_s']:.3f}s",
-    ]
-    if "throughput/mfu" in m:
-        parts.append(f"mfu {m['throughput/mfu']:.1%}")
-    parts.append(f"mem {m['memory/peak_bytes_max'] / 2**30:.2f}/{m['memory/peak_bytes_min'] / 2**30:.2f} GiB")
-    share = " ".join(
-        f"{s} {m[f'comm/share_{d}']:.0%}" for s, d in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"))
-    )
-    parts.append(f"comm {m['comm/share']:.0%} ({share})")
-    parts.append(f"bubble {m['pipeline/bubble_fraction']:.0%}")
-    if m.get("train/skipped_steps"):
-        parts.append(f"skipped {int(m['train/skipped_steps'])} scale {m.get('train/loss_scale', 1.0):.3g}")
-    return " | ".join(parts)
-
-
-def _si(value: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f}{unit}"
-    return f"{value:.1f}"
 
 
 def _mesh(trainer: L.Trainer) -> Any:

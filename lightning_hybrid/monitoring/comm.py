@@ -125,11 +125,15 @@ class CommunicationMeter(CollectiveRecorder):
     """Counts calls, bytes and wall seconds of every collective issued while active, per (dimension, collective).
 
     The dimension is the name of the mesh dimension whose process group the collective ran on (``"tensor"``,
-    ``"pipeline"``, ``"data"``), ``"world"`` for the default group, ``"other"`` for any other group. Point-to-point
-    calls on the default group are attributed by their peer (a pipeline neighbour is ``"pipeline"``).
+    ``"pipeline"``, ``"data"``, and ``"expert"`` for expert parallel's all-to-all), ``"world"`` for the default
+    group, ``"other"`` for any other group. Point-to-point calls on the default group are attributed by their peer
+    (a pipeline neighbour is ``"pipeline"``).
 
     Arguments:
         device_mesh: the run's mesh (``strategy.device_mesh``); without one, every group is ``"world"``/``"other"``.
+        expert_mesh: expert parallel's mesh (``("pipeline", "expert_data", "expert", "tensor")``), when there is
+            one: its ``expert`` groups are ``"expert"``, and the expert weights' reductions over ``expert_data``
+            are data-parallel traffic, ``"data"``.
         functional_collectives: also intercept DTensor's functional collectives through a ``TorchDispatchMode``
             (every aten op then passes through Python: keep it on for measured steps only).
 
@@ -145,8 +149,15 @@ class CommunicationMeter(CollectiveRecorder):
         4096
     """
 
-    def __init__(self, device_mesh: Optional[DeviceMesh] = None, *, functional_collectives: bool = True) -> None:
+    def __init__(
+        self,
+        device_mesh: Optional[DeviceMesh] = None,
+        *,
+        expert_mesh: Optional[DeviceMesh] = None,
+        functional_collectives: bool = True,
+    ) -> None:
         self.device_mesh = device_mesh
+        self.expert_mesh = expert_mesh
         self.functional_collectives = functional_collectives
         self._stats: dict[Key, Stat] = defaultdict(Stat)
         self._lock = threading.Lock()
@@ -218,13 +229,15 @@ class CommunicationMeter(CollectiveRecorder):
         self._rank_sets.clear()
         if not (dist.is_available() and dist.is_initialized()):
             return
-        mesh = self.device_mesh
-        if mesh is not None and mesh.mesh_dim_names:
-            for name in mesh.mesh_dim_names:
-                group = mesh.get_group(name)
+        for mesh, renamed in ((self.device_mesh, {}), (self.expert_mesh, {"expert_data": "data"})):
+            if mesh is None or not mesh.mesh_dim_names:
+                continue
+            for dimension in mesh.mesh_dim_names:
+                group, name = mesh.get_group(dimension), renamed.get(dimension, dimension)
                 self._group_names[group.group_name] = name
                 # a 1-rank dimension is never a transport; sorted smallest first below, so a peer's link is the
-                # smallest dimension holding both ranks
+                # smallest dimension holding both ranks (the main mesh's first where the expert mesh's has the same
+                # ranks: the sort is stable)
                 self._rank_sets.append((frozenset(dist.get_process_group_ranks(group)), name))
         self._group_names.setdefault(dist.group.WORLD.group_name, "world")
         self._rank_sets.sort(key=lambda item: len(item[0]))
