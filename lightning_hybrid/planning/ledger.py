@@ -44,7 +44,7 @@ def _check(precision: str, optimizer: str) -> None:
 
 
 def state_bytes_per_parameter(
-    precision: str, optimizer: str, zero_stage: int, data_parallel_size: int
+    precision: str, optimizer: str, zero_stage: int, data_parallel_size: int, *, expert_parallel_size: int = 1
 ) -> dict[str, float]:
     """Bytes per (tensor- and pipeline-local) parameter a rank holds, by kind.
 
@@ -52,17 +52,27 @@ def state_bytes_per_parameter(
     also the parameters. The strategy's ZeRO-3 steps fp32 shards directly, so under '-true' precisions those shards
     are the master weights (no separate copy).
 
+    ``expert_parallel_size=ep`` gives the bytes per *expert* parameter a rank holds (it holds ``1/ep`` of the
+    experts): ZeRO shards those over the ``dp / ep`` ranks holding the same experts, while whether there are masters
+    at all is the stage's, decided by the whole data-parallel size (docs/expert-parallel.md).
+
     Example (the seeds' LLaMA-7B, Adam, bf16: 2 + 2 + 12 = 16 bytes per parameter):
         >>> state_bytes_per_parameter("bf16", "adam", 0, 1)
         {'parameters': 2, 'gradients': 2, 'master': 4, 'optimizer': 8}
         >>> sum(state_bytes_per_parameter("bf16", "adam", 3, 8).values())
         2.0
+        >>> state_bytes_per_parameter("bf16-mixed", "adam", 1, 8, expert_parallel_size=4)  # over 2 ranks
+        {'parameters': 4, 'gradients': 4, 'master': 2.0, 'optimizer': 4.0}
     """
     _check(precision, optimizer)
     p, g, m, _ = PRECISION_BYTES[precision]
     opt = 4 * OPTIMIZER_STATES[optimizer.lower()]
-    d = data_parallel_size
-    if d == 1 and zero_stage in (1, 2) and precision in _STRATEGY_PRECISIONS:
+    if expert_parallel_size < 1 or data_parallel_size % expert_parallel_size:
+        raise HybridConfigError(
+            f"`expert_parallel_size={expert_parallel_size}` must divide the data-parallel size ({data_parallel_size})."
+        )
+    d = data_parallel_size // expert_parallel_size  # the ranks a (expert) parameter's state is sharded over
+    if data_parallel_size == 1 and zero_stage in (1, 2) and precision in _STRATEGY_PRECISIONS:
         zero_stage = 0  # the strategy steps one replica as stage 0: nothing to shard, no fp32 copy
     if zero_stage == 3 and precision in _STRATEGY_PRECISIONS:
         return {"parameters": 4 / d, "gradients": 4 / d, "master": 0, "optimizer": opt / d}
@@ -118,7 +128,9 @@ def _tensor_parallel_shape(shape: list[int], style: Any, module: nn.Module, leaf
     """The local shape of a parameter on tensor-parallel rank ``r`` under ``style`` (torch's styles and ours)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from lightning_hybrid._torch_compat import is_strided_shard
     from lightning_hybrid.tensor_parallel.plan import FusedColwiseParallel
+    from lightning_hybrid.tensor_parallel.styles import LocalShardParallel
 
     shape = list(shape)
     if style is None or t == 1:
@@ -126,6 +138,13 @@ def _tensor_parallel_shape(shape: list[int], style: Any, module: nn.Module, leaf
     if isinstance(style, FusedColwiseParallel):  # each of k blocks of dim 0 split t ways
         k = style.num_blocks
         shape[0] = k * _chunk(shape[0] // k, t, r)
+        return shape
+    if isinstance(style, LocalShardParallel):  # a module's own parameters by name (packed MoE experts)
+        placement = style.placements.get(leaf)
+        dim = getattr(placement, "dim", None)
+        if dim is not None:
+            k = placement.split_factor if is_strided_shard(placement) else 1
+            shape[dim] = k * _chunk(shape[dim] // k, t, r)
         return shape
     dim = None
     if isinstance(style, ColwiseParallel):
@@ -177,6 +196,7 @@ def predict_model_state_bytes(
     virtual_pipeline_size: int = 1,
     pipeline_schedule: str = "1f1b",
     overlap_grad_reduce: bool = True,
+    expert_parallel_size: int = 1,
 ) -> list[dict[str, int]]:
     """What ``HybridStrategy.model_state_bytes`` will measure on each global rank, from the module alone.
 
@@ -186,6 +206,12 @@ def predict_model_state_bytes(
     parameter groups from ``configure_optimizers()`` flattened and padded to a multiple of the data-parallel size
     (ZeRO-1/2), or each parameter chunked over the data-parallel ranks (FSDP2, ZeRO-3). Tied weights across pipeline
     stages are not modelled.
+
+    ``expert_parallel_size=ep``: each MoE layer's packed expert weights (the experts modules
+    :func:`~lightning_hybrid.expert_parallel.find_expert_modules` finds) are split on their expert dimension over
+    ``ep`` consecutive data-parallel ranks and kept whole on every tensor-parallel rank; their ZeRO-1/2 flat groups
+    are sharded over the ``dp / ep`` ranks holding the same experts, and under ZeRO-3 FSDP2 chunks each rank's expert
+    shard over those ranks. What the strategy refuses with expert parallel is refused here too.
 
     Example:
         >>> import torch
@@ -202,10 +228,13 @@ def predict_model_state_bytes(
     from lightning_hybrid.structure import find_model_structure
     from lightning_hybrid.tensor_parallel.plan import build_tensor_parallel_plan
 
-    t, p, d = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+    t, p, d, ep = tensor_parallel_size, pipeline_parallel_size, data_parallel_size, expert_parallel_size
     low = precision in ("bf16-true", "16-true")
     structure = find_model_structure(module, transformer_blocks)
     plan = build_tensor_parallel_plan(module, structure, tensor_parallel_plan, vocab_parallel_loss=vocab_parallel_loss)
+    expert_names = _expert_names(module, ep, d, low)
+    if expert_names:
+        plan.without(expert_names)  # the experts go to expert ranks, whole on each tensor rank
     styles = plan.styles if t > 1 else {}
     by_rank: dict[int, dict[str, int]] = {}
     for pr in range(p):
@@ -230,15 +259,55 @@ def predict_model_state_bytes(
             return _tensor_parallel_shape(list(q.shape), styles.get(mod_name), modules[mod_name], leaf, t, tr)
 
         unique = list({id(q): q for q in held.parameters()}.values())
+        experts = {id(q) for n in expert_names if _has_submodule(held, n)
+                   for q in held.get_submodule(n).parameters(recurse=False)}  # fmt: skip
         for tr in range(t):
             for dr in range(d):
                 rank = pr * d * t + dr * t + tr
-                by_rank[rank] = _rank_bytes(unique, groups, local_shape, tr, dr, zero_stage, d, p, low, styles,
-                                            names, overlap_grad_reduce)  # fmt: skip
+
+                def shape_on(q: nn.Parameter, tr: int, dr: int = dr, experts: set = experts) -> list[int]:
+                    if id(q) not in experts:
+                        return local_shape(q, tr)
+                    shape = list(q.shape)  # Shard(0) over the expert ranks: consecutive data-parallel ranks
+                    shape[0] = _chunk(shape[0], ep, dr % ep)
+                    return shape
+
+                by_rank[rank] = _rank_bytes(unique, groups, shape_on, tr, dr, zero_stage, d, p, low, styles,
+                                            names, overlap_grad_reduce, experts, ep)  # fmt: skip
     return [by_rank[r] for r in range(t * p * d)]
 
 
-def _rank_bytes(params, groups, local_shape, tr, dr, zero, d, p, low, styles, names, overlap) -> dict[str, int]:  # noqa: ANN001
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:  # another pipeline stage's block
+        return False
+    return True
+
+
+def _expert_names(module: nn.Module, ep: int, d: int, low: bool) -> list[str]:
+    """The experts modules expert parallel splits (none at ``ep=1``), refused as the strategy refuses them."""
+    if ep == 1:
+        return []
+    from lightning_hybrid.expert_parallel.discover import find_expert_modules
+
+    found, refused = find_expert_modules(module)
+    why = None
+    if d % ep:
+        why = f"it must divide the data-parallel size ({d})"
+    elif low:
+        why = "'-true' precisions do not run with expert parallel yet"
+    elif refused or not found:
+        why = f"{type(module).__name__} has no experts module expert parallel can dispatch ({refused or 'none'})"
+    elif any(e.num_experts % ep for e in found):
+        why = f"it must divide every MoE layer's expert count ({sorted({e.num_experts for e in found})})"
+    if why:
+        raise HybridConfigError(f"`expert_parallel_size={ep}`: {why}.")
+    return [e.name for e in found]
+
+
+def _rank_bytes(params, groups, local_shape, tr, dr, zero, d, p, low, styles, names, overlap, experts,  # noqa: ANN001
+                ep) -> dict[str, int]:  # fmt: skip
     from lightning_hybrid.tensor_parallel.plan import FusedColwiseParallel
 
     states = 2  # Adam/AdamW: exp_avg and exp_avg_sq (the step count is a scalar, not counted)
@@ -247,7 +316,10 @@ def _rank_bytes(params, groups, local_shape, tr, dr, zero, d, p, low, styles, na
         for q in params:
             shape = local_shape(q, tr)
             strided = isinstance(styles.get(names[id(q)].rpartition(".")[0]), FusedColwiseParallel)
-            if strided and len(shape) < 2:  # fused tensor-parallel biases: left out of FSDP2, replicated
+            if id(q) in experts:  # an FSDP2 unit of its own over the dp / ep ranks holding the same experts
+                shape[0] = _chunk(shape[0], d // ep, dr // ep)
+                n = _numel(shape)
+            elif strided and len(shape) < 2:  # fused tensor-parallel biases: left out of FSDP2, replicated
                 n = _numel(shape)
             else:
                 dim = 1 if strided else 0  # fused weights: FSDP2 shards them on dim 1 (sharding/fsdp.py)
@@ -264,10 +336,15 @@ def _rank_bytes(params, groups, local_shape, tr, dr, zero, d, p, low, styles, na
     uses_masters = (zero >= 1 and d > 1) or low  # one replica steps as stage 0 (sharding/sharded_optimizer.py)
     gradients = state = 0
     buckets = zero == 0 and not uses_masters and d > 1 and p == 1 and overlap
-    for group in groups:
+    # each optimizer group is two flat groups under expert parallel: dense weights over all dp ranks, expert weights
+    # over the dp / ep ranks holding the same experts (sharding/sharded_optimizer.py)
+    flat = [(part, size) for group in groups
+            for part, size in (([q for q in group if id(q) not in experts], d),
+                               ([q for q in group if id(q) in experts], d // ep)) if part]  # fmt: skip
+    for group, ranks in flat:
         numel = sum(_numel(local_shape(q, tr)) for q in group)
-        shard = -(-numel // d) if zero >= 1 else numel
-        padded = shard * d if zero >= 1 else shard
+        shard = -(-numel // ranks) if zero >= 1 else numel
+        padded = shard * ranks if zero >= 1 else shard
         if uses_masters and group:
             state += 4 * shard * (states + 1)  # the fp32 master of the shard and its optimizer state
         else:
