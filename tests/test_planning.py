@@ -61,10 +61,15 @@ def test_png_of_stacked_bars(llama7b_on_8, png) -> None:
 
 def test_json_schema_best_first(llama7b_on_8) -> None:
     keys = {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "zero_stage", "num_microbatches",
-            "recompute", "feasible", "reason", "step_time_s", "ledger"}  # fmt: skip
+            "recompute", "feasible", "reason", "step_time_s", "ledger", "expert_parallel_size",
+            "step_terms_s"}  # fmt: skip
     ledger = {"parameters", "gradients", "master", "optimizer", "activations", "buffers", "setup", "peak"}
+    terms = {"compute", "bubble", "tensor", "data", "pipeline", "all_to_all", "total"}
     for layout in llama7b_on_8:
         assert set(layout) == keys and set(layout["ledger"]) == ledger
+        assert layout["expert_parallel_size"] == 1, "a dense model is planned without expert parallel"
+        assert set(layout["step_terms_s"]) == terms and layout["step_terms_s"]["all_to_all"] == 0
+        assert layout["step_terms_s"]["total"] == pytest.approx(layout["step_time_s"])
         # the peak is the larger of training (every term) and set-up (shards + the replay's largest tensors)
         training = sum(v for k, v in layout["ledger"].items() if k not in ("peak", "setup"))
         assert layout["ledger"]["peak"] == pytest.approx(max(training, layout["ledger"]["setup"]))

@@ -19,7 +19,7 @@ from lightning_hybrid.planning.hardware import GB, PRESETS, Hardware
 from lightning_hybrid.planning.ledger import Ledger, predict_model_state_bytes, state_bytes_per_parameter
 from lightning_hybrid.planning.model import ModelSpec, build_on_meta
 from lightning_hybrid.planning.report import Plan
-from lightning_hybrid.planning.search import Setup, decision_rule, search
+from lightning_hybrid.planning.search import Candidate, Setup, decision_rule, expert_refusal, search
 
 __all__ = ["GB", "PRESETS", "Hardware", "Ledger", "ModelSpec", "Plan", "plan", "predict_model_state_bytes",
            "state_bytes_per_parameter"]  # fmt: skip
@@ -65,6 +65,13 @@ def plan(
     ffn: Optional[int] = None,
     vocab: Optional[int] = None,
     seq: Optional[int] = None,
+    family: Optional[str] = None,
+    experts: Optional[int] = None,
+    top_k: Optional[int] = None,
+    expert_ffn: Optional[int] = None,
+    shared_experts: Optional[int] = None,
+    shared_ffn: Optional[int] = None,
+    dense_layers: Optional[int] = None,
     micro_batch: int = 1,
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
@@ -86,6 +93,7 @@ def plan(
     dropout: Optional[bool] = None,
     mfu: float = 0.4,
     sequence_parallel: bool = True,
+    expert_parallel_size: Optional[int] = None,
 ) -> Plan:
     """Rank every layout of a cluster for a model: per-device ledger, estimated step time, and why each that does
     not fit fails.
@@ -98,15 +106,30 @@ def plan(
     module or HF config); ``dropout`` likewise (masks stored). ``sequence_parallel``: under tensor parallel, plan
     with the norms' activations split too (the strategy's ``sequence_parallel=True``).
 
+    ``family`` (raw sizes): ``"gpt"`` (the default) or ``"llama"`` blocks (:class:`ModelSpec`).
+
+    Mixture of experts (raw sizes ``experts``, ``top_k``, ``expert_ffn``, ``shared_experts``, ``shared_ffn``,
+    ``dense_layers``; or read from the HF config or module): layouts with expert parallel are searched too, over the
+    powers of two dividing both the data-parallel size and the expert count, unless ``expert_parallel_size`` fixes
+    it (1: none). Layouts the strategy refuses (with tensor parallel, expert parallel needs
+    ``sequence_parallel=False``; not with '-true' precisions) are not ranked.
+
     Example:
         >>> p = plan(params=6.7e9, layers=32, hidden=4096, heads=32, vocab=32000, seq=2048, micro_batch=1,
         ...          precision="bf16", recompute="full", nodes=1)
         >>> best = p.best.candidate
         >>> (best.tensor_parallel_size * best.pipeline_parallel_size * best.data_parallel_size, p.best.feasible)
         (8, True)
+        >>> moe = plan(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, experts=8, top_k=2, seq=4096,
+        ...            family="llama", gpu="H200", nodes=1, recompute="full", zero_stage=1,
+        ...            tensor_parallel_size=1, pipeline_parallel_size=1)
+        >>> [e.candidate.expert_parallel_size for e in moe.layouts]
+        [8, 4, 2, 1]
     """
     sizes = {"params": params, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "ffn": ffn,
-             "vocab": vocab}  # fmt: skip
+             "vocab": vocab, "experts": experts, "top_k": top_k, "expert_ffn": expert_ffn,
+             "shared_experts": shared_experts, "shared_ffn": shared_ffn, "dense_layers": dense_layers,
+             "family": family}  # fmt: skip
     spec = _spec(model, init_args, hf_config, sizes, seq)
     raw = model is None and hf_config is None
     hw = Hardware.preset(gpu, nodes=nodes, devices_per_node=devices_per_node)
@@ -132,13 +155,23 @@ def plan(
         sequence_parallel=sequence_parallel,
     )
     state_bytes_per_parameter(precision, optimizer, 0, 1)  # checks both names
+    ep = expert_parallel_size
+    if ep is not None:
+        why = expert_refusal(spec, replace(setup, sequence_parallel=False), Candidate(1, 1, ep, 0, 1, "none",
+                             expert_parallel_size=ep)) if ep >= 1 else "it must be a positive integer"  # fmt: skip
+        if why:
+            raise HybridConfigError(f"`expert_parallel_size={ep}`: {why}.")
     layouts = search(spec, hw, setup, tensor_parallel_size=tensor_parallel_size,
                      pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
-                     zero_stage=zero_stage, num_microbatches=num_microbatches, recompute=recompute)  # fmt: skip
+                     zero_stage=zero_stage, num_microbatches=num_microbatches, recompute=recompute,
+                     expert_parallel_size=ep)  # fmt: skip
     if not layouts:
+        moe = (f"; expert={ep} must divide the data-parallel size, and with tensor parallel it runs only without"
+               " sequence parallel") if ep and ep > 1 else ""  # fmt: skip
         raise HybridConfigError(
             f"No layout of {hw.world_size} devices matches the fixed sizes (tensor={tensor_parallel_size},"
-            f" pipeline={pipeline_parallel_size}, data={data_parallel_size}): their product must be {hw.world_size}."
+            f" pipeline={pipeline_parallel_size}, data={data_parallel_size}): their product must be"
+            f" {hw.world_size}{moe}."
         )
     rule, reason = decision_rule(layouts, spec, hw)
     for e in layouts:

@@ -15,6 +15,16 @@ Per block, in elements of ``s * b * h`` (sequence x micro-batch x hidden), what 
 - Under tensor parallel the attention and MLP interiors are split ``t`` ways; the norms' values (and masks) are
   split too only with sequence parallel (Korthikanti's ``10 + 24/t``).
 
+- Mixture-of-experts block: the MLP's interior is that of each token's ``top_k`` experts, on the routed rows: per
+  (token, expert) pair the row the expert reads (h), its SwiGLU interior (``4 expert_ffn``; ``2`` for GELU) and its
+  output before the routing weight multiplies it (h); plus the router's float32 probabilities and top-k and the
+  pairs' int64 indices (``4 E + 40 top_k`` bytes per token), and any shared expert as a dense MLP (with Qwen2-MoE's
+  gate: its output and the sigmoid that scales it). Under tensor parallel without
+  expert parallel the experts' interiors are split ``t`` ways (``moe_tp_experts``); with expert parallel each
+  tensor rank holds its experts whole, so they are not. Uniform routing: a rank receives as many pairs as it sends.
+  The dispatch's send and receive buffers (``2 top_k s b h`` values, one layer's at a time) are transient: the
+  ledger counts them as a buffer.
+
 Recompute: ``"selective"`` recomputes the attention scores (nothing left to drop under fused attention); ``"full"``
 keeps each block's input only (``2 s b h`` bytes at 2 bytes) and recomputes the block in backward, which then needs
 one block's activations at a time (a transient, counted by the ledger as a buffer).
@@ -22,7 +32,7 @@ one block's activations at a time (a transient, counted by the ledger as a buffe
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_hybrid.planning.model import ModelSpec
 
@@ -42,13 +52,20 @@ def block_bytes(
     recompute: Recompute = "none",
     attention: Attention = "flash",
     dropout: bool = False,
+    moe: bool = False,
+    expert_parallel_size: int = 1,
 ) -> float:
-    """Bytes one block saves for backward for one micro-batch on one tensor-parallel rank.
+    """Bytes one block saves for backward for one micro-batch on one tensor-parallel rank; ``moe``: a
+    mixture-of-experts block of ``spec`` (its experts over ``expert_parallel_size`` ranks).
 
     Example (Korthikanti et al. 2022, LLaMA-7B at s=2048, b=4: 34 + 5as/h = 114 bytes per s*b*h):
         >>> spec = ModelSpec(layers=32, hidden=4096, heads=32, ffn=4 * 4096, seq=2048)
         >>> round(block_bytes(spec, 4, attention="eager", dropout=True) / (2048 * 4 * 4096), 3)
         114.0
+        >>> moe = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=4096, family="llama",
+        ...                 experts=8, top_k=2)
+        >>> round(block_bytes(moe, 1, moe=True) / 2**20)  # Mixtral-8x7B: two experts' SwiGLU per token
+        1260
     """
     s, b, h, t = spec.seq, micro_batch, spec.hidden, tensor_parallel_size
     sbh = s * b * h
@@ -57,10 +74,21 @@ def block_bytes(
         return act_bytes * sbh / split
     kv = spec.kv / spec.heads
     ffn = spec.ffn_size / h
+    interior = 4 if spec.family == "llama" else 2  # SwiGLU: gate, SiLU(gate), up, product; GELU: input, output
+    routed = 0.0  # the experts' rows, whole on every tensor rank (bytes)
+    if moe and spec.is_moe:
+        shared = spec.shared_experts * (spec.shared_ffn or spec.expert_ffn_size) / h
+        ffn = shared  # the shared experts are dense MLPs, split over the tensor ranks
+        k, expert = spec.top_k, interior * spec.expert_ffn_size / h
+        expert_split = t if expert_parallel_size == 1 else 1
+        # the router's float32 probabilities, top-k values, indices and their sum; the pairs' indices and weights
+        routing = (4 * spec.experts + 40 * k + 4) * s * b
+        gate = (act_bytes * sbh + 4 * s * b) if spec.shared_gate else 0  # its sigmoid and the output it scales
+        routed = act_bytes * k * (2 + expert / expert_split) * sbh + routing + gate
     if spec.family == "llama":
-        replicated, sharded, stats = 6.0, 2 + 2 * kv + 4 * ffn, 2 * s * b * 4
+        replicated, sharded, stats = 6.0, 2 + 2 * kv + interior * ffn, 2 * s * b * 4
     else:
-        replicated, sharded, stats = 4.0, 2 + 2 * kv + 2 * ffn, 4 * s * b * 4
+        replicated, sharded, stats = 4.0, 2 + 2 * kv + interior * ffn, 4 * s * b * 4
     masks = 2 * sbh if dropout else 0
     if attention == "flash" or recompute == "selective":
         scores = 0.0 if attention == "eager" else 4 * spec.heads * s * b / t  # float32 log-sum-exp per query, head
@@ -69,7 +97,7 @@ def block_bytes(
         scores = per_score * spec.heads * s * s * b / t
     if attention == "eager":
         stats = 0.0  # Korthikanti et al. count no norm statistics; with eager scores they are < 0.1%
-    return (act_bytes * replicated * sbh + masks + stats) / split + act_bytes * sharded * sbh / t + scores
+    return (act_bytes * replicated * sbh + masks + stats) / split + act_bytes * sharded * sbh / t + scores + routed
 
 
 def in_flight_microbatches(schedule: str, pipeline_parallel_size: int, num_microbatches: int, virtual: int = 1,
@@ -110,14 +138,27 @@ def stage_activation_bytes(
     recompute: Recompute = "none",
     attention: Attention = "flash",
     dropout: bool = False,
+    moe_blocks: float = 0,
+    expert_parallel_size: int = 1,
 ) -> dict[str, float]:
-    """Bytes one micro-batch saves on one stage holding ``blocks`` blocks: ``blocks``, ``inputs`` (token ids,
-    position ids/rotary tables on the first stage), ``outputs`` (the final norm on the last stage) and ``logits``
-    (the head's output the loss keeps, split over the vocabulary under vocab-parallel tensor parallel)."""
+    """Bytes one micro-batch saves on one stage holding ``blocks`` blocks, ``moe_blocks`` of them mixture-of-experts
+    blocks: ``blocks``, ``inputs`` (token ids, position ids/rotary tables on the first stage), ``outputs`` (the final
+    norm on the last stage) and ``logits`` (the head's output the loss keeps, split over the vocabulary under
+    vocab-parallel tensor parallel).
+
+    Example:
+        >>> spec = ModelSpec(layers=2, hidden=64, heads=4, seq=16)
+        >>> sorted(stage_activation_bytes(spec, 1, 2, first=True, last=True))
+        ['blocks', 'inputs', 'logits', 'outputs']
+    """
     s, b, h, t = spec.seq, micro_batch, spec.hidden, tensor_parallel_size
     split = t if sequence_parallel else 1
-    per_block = block_bytes(spec, b, act_bytes=act_bytes, tensor_parallel_size=t, sequence_parallel=sequence_parallel,
-                            recompute=recompute, attention=attention, dropout=dropout)  # fmt: skip
+    kwargs: dict[str, Any] = {"act_bytes": act_bytes, "tensor_parallel_size": t, "sequence_parallel": sequence_parallel,
+              "recompute": recompute, "attention": attention, "dropout": dropout}  # fmt: skip
+    per_block = block_bytes(spec, b, **kwargs)
+    if moe_blocks:
+        per_moe = block_bytes(spec, b, moe=True, expert_parallel_size=expert_parallel_size, **kwargs)
+        per_block = (per_block * (blocks - moe_blocks) + per_moe * moe_blocks) / blocks
     inputs = outputs = logits = 0.0
     if first:
         inputs = 8 * s * b  # int64 token ids (the embedding's backward)

@@ -56,6 +56,7 @@ def auto_layout(
         schedule=schedule,
         virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel,
+        expert_parallel_size=1,  # `layout="auto"` takes no explicit size, expert_parallel_size included: none chosen
     )
     best = result.best
     if best is None:
@@ -66,7 +67,7 @@ def auto_layout(
             " `activation_checkpointing`, or lower the micro-batch size."
         )
     c = best.candidate
-    sizes = c.sizes()
+    sizes = {k: v for k, v in c.sizes().items() if k != "expert_parallel_size"}  # always 1 here
     from lightning_hybrid.planning.search import _gb
 
     ledger = ", ".join(f"{k} {_gb(v)}" for k, v in best.ledger.as_dict().items())

@@ -3,6 +3,8 @@
 Example:
     lightning-hybrid plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
         --micro-batch 4 --precision bf16 --optimizer adam --device-memory 80 --devices-per-node 8 --nodes 1
+    lightning-hybrid plan --family llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \\
+        --experts 8 --top-k 2 --seq 4096 --gpu H200 --expert-parallel-size 8
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--ffn", type=int, help="MLP size (default 4 x hidden)")
     model.add_argument("--vocab", type=int)
     model.add_argument("--seq", type=int, help="sequence length")
+    model.add_argument("--family", choices=["gpt", "llama"], help="block layout for raw sizes (default gpt)")
+    moe = p.add_argument_group("mixture of experts (raw sizes; read from --hf-config / --model otherwise)")
+    moe.add_argument("--experts", type=int, help="routed experts per MoE layer")
+    moe.add_argument("--top-k", type=int, help="experts each token is routed to")
+    moe.add_argument("--expert-ffn", type=int, help="one expert's MLP size (default --ffn)")
+    moe.add_argument("--shared-experts", type=int, help="shared experts per MoE layer")
+    moe.add_argument("--shared-ffn", type=int, help="one shared expert's MLP size (default --expert-ffn)")
+    moe.add_argument("--dense-layers", type=int, help="the first k layers have a dense MLP")
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch", type=int, default=1)
     train.add_argument(
@@ -46,6 +56,11 @@ def parser() -> argparse.ArgumentParser:
         choices=["none", "selective", "full"],
         default=None,
         help="activation recompute per block (default: try all three)",
+    )
+    train.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="plan tensor parallel without sequence parallel (expert parallel with tensor parallel needs it)",
     )
     train.add_argument(
         "--attention",
@@ -66,6 +81,9 @@ def parser() -> argparse.ArgumentParser:
     fix.add_argument("--data-parallel-size", type=int)
     fix.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     fix.add_argument("--num-microbatches", type=int)
+    fix.add_argument(
+        "--expert-parallel-size", type=int, help="MoE: ranks of the data-parallel dimension splitting the experts"
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help='print JSON: {"layouts": [...]}, best first')
     out.add_argument("--png", help="also write stacked bars per layout to this PNG file")
@@ -91,6 +109,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             ffn=args.ffn,
             vocab=args.vocab,
             seq=args.seq,
+            family=args.family,
+            experts=args.experts,
+            top_k=args.top_k,
+            expert_ffn=args.expert_ffn,
+            shared_experts=args.shared_experts,
+            shared_ffn=args.shared_ffn,
+            dense_layers=args.dense_layers,
             micro_batch=args.micro_batch,
             precision=args.precision,
             optimizer=args.optimizer,
@@ -107,6 +132,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             zero_stage=args.zero_stage,
             num_microbatches=args.num_microbatches,
             attention=args.attention,
+            sequence_parallel=not args.no_sequence_parallel,
+            expert_parallel_size=args.expert_parallel_size,
         )
     except HybridConfigError as error:
         raise SystemExit(f"lightning-hybrid plan: {error}") from None

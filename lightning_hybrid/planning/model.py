@@ -419,8 +419,8 @@ def _module_moe_sizes(module: nn.Module, block_names: list[str], hidden: int, ma
 
 def _hf_attention_params(get: Any, model_type: str, hidden: int, heads: int) -> Optional[int]:
     """One block's attention parameters where a Hugging Face config's attention is not ``h x (h + 2 kv d) + h^2``:
-    DeepSeek's multi-head latent attention (``kv_lora_rank``), or a ``head_dim`` other than ``hidden / heads``
-    (Qwen3's, with its per-head q/k norms). None otherwise."""
+    DeepSeek's multi-head latent attention (``kv_lora_rank``), a ``head_dim`` other than ``hidden / heads``, Qwen3's
+    per-head q/k norms, Qwen2's q/k/v biases. None otherwise."""
     kv_lora = get("kv_lora_rank")
     if kv_lora:
         nope, rope = int(get("qk_nope_head_dim", default=128)), int(get("qk_rope_head_dim", default=64))
@@ -431,11 +431,14 @@ def _hf_attention_params(get: Any, model_type: str, hidden: int, heads: int) -> 
         return q + kv + heads * v * hidden
     head_dim = get("head_dim")
     qk_norms = model_type.startswith("qwen3")
-    if head_dim is None or (head_dim * heads == hidden and not qk_norms):
+    # Qwen2's q/k/v projections have biases (always for Qwen2, `qkv_bias` for Qwen2-MoE), its output projection none
+    qkv_bias = model_type == "qwen2" or (model_type == "qwen2_moe" and get("qkv_bias", default=True))
+    if (head_dim is None or head_dim * heads == hidden) and not qk_norms and not qkv_bias:
         return None
     kv = int(get("num_key_value_heads", default=heads))
-    d = int(head_dim)
-    return 2 * hidden * heads * d + 2 * hidden * kv * d + (2 * d if qk_norms else 0)
+    d = int(head_dim or hidden // heads)
+    biases = heads * d + 2 * kv * d if qkv_bias else 0
+    return 2 * hidden * heads * d + 2 * hidden * kv * d + (2 * d if qk_norms else 0) + biases
 
 
 def _hf_moe_sizes(get: Any, model_type: str, layers: int, ffn: Optional[int]) -> dict[str, Any]:

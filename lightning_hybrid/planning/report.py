@@ -44,6 +44,15 @@ class Plan:
 
 
 def layout_record(e: Any) -> dict[str, Any]:
+    """One layout as plain types: its sizes (``expert_parallel_size`` included), verdict, step time and its terms
+    (``compute``, ``bubble``, ``tensor``, ``data``, ``pipeline``, ``all_to_all``, ``total``), ledger.
+
+    Example:
+        >>> from lightning_hybrid.planning import plan
+        >>> record = layout_record(plan(layers=2, hidden=64, heads=4, nodes=1, device_memory=1).layouts[0])
+        >>> record["expert_parallel_size"], sorted(record["step_terms_s"])[:2]
+        (1, ['all_to_all', 'bubble'])
+    """
     c = e.candidate
     return {
         **c.sizes(),
@@ -52,6 +61,7 @@ def layout_record(e: Any) -> dict[str, Any]:
         "feasible": e.feasible,
         "reason": e.reason,
         "step_time_s": e.step_time,
+        "step_terms_s": e.step.as_dict() if e.step is not None else None,
         "ledger": e.ledger.as_dict(),
     }
 
@@ -70,13 +80,19 @@ def to_json(plan: Plan) -> str:
 
 def format_table(plan: Plan, limit: int = 12) -> str:
     """The ranked layouts (at most ``limit`` feasible and ``limit`` infeasible), sizes in GB."""
-    hw = plan.hardware
+    hw, spec = plan.hardware, plan.spec
+    moe = a2a = ""
+    if spec.is_moe:
+        moe = (f" ({spec.experts} experts, top-{spec.top_k}, {len(spec.moe_layer_indices)} MoE layers:"
+               f" {spec.expert_params / 1e9:.2f}B in experts, {spec.active_params / 1e9:.2f}B active)")  # fmt: skip
+        a2a = f" {'a2a s':>7}"
+    width = 40 if spec.is_moe else 34
     lines = [
-        f"lightning-hybrid plan: {plan.spec.total_params / 1e9:.2f}B parameters, {plan.spec.layers} layers, hidden"
-        f" {plan.spec.hidden}, seq {plan.spec.seq}, micro-batch {plan.setup.micro_batch}, {plan.setup.precision},"
+        f"lightning-hybrid plan: {spec.total_params / 1e9:.2f}B parameters{moe}, {spec.layers} layers, hidden"
+        f" {spec.hidden}, seq {spec.seq}, micro-batch {plan.setup.micro_batch}, {plan.setup.precision},"
         f" {plan.setup.optimizer}; {hw.nodes} x {hw.devices_per_node} x {_gb(hw.device_memory)}",
-        f"{'#':>3} {'layout':<34} {'params':>7} {'grads':>7} {'master':>7} {'optim':>7} {'activ':>7} {'buffers':>7}"
-        f" {'peak':>7} {'step s':>8}  verdict",
+        f"{'#':>3} {'layout':<{width}} {'params':>7} {'grads':>7} {'master':>7} {'optim':>7} {'activ':>7}"
+        f" {'buffers':>7} {'peak':>7} {'step s':>8}{a2a}  verdict",
     ]
     feasible = [e for e in plan.layouts if e.feasible][:limit]
     infeasible = [e for e in plan.layouts if not e.feasible][:limit]
@@ -94,9 +110,11 @@ def format_table(plan: Plan, limit: int = 12) -> str:
         ledger = e.ledger
         cells = " ".join(f"{getattr(ledger, k) / size:>7.1f}" for k in LEDGER_KEYS[:-1])
         step = f"{e.step_time:>8.3f}" if e.step_time is not None else f"{'-':>8}"
+        if spec.is_moe:  # expert parallel's all-to-all, its own term of the step time
+            step += f" {e.step.all_to_all:>7.3f}" if e.step is not None else f" {'-':>7}"
         mark = " <- rule" if plan.rule is e else ""
         verdict = "ok" if e.feasible else "NO: " + e.reason
-        row = f"{i + 1:>3} {e.candidate.describe():<34} {cells} {ledger.peak / size:>7.1f} {step}"
+        row = f"{i + 1:>3} {e.candidate.describe():<{width}} {cells} {ledger.peak / size:>7.1f} {step}"
         lines.append(f"{row}  {verdict}{mark}")
     lines.append(plan.rule_reason + (f": {plan.rule.candidate.describe()}" if plan.rule is not None else ""))
     best = plan.best

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -13,7 +14,7 @@ from lightning_hybrid.planning.model import ModelSpec
 from lightning_hybrid.planning.steptime import StepTime, estimate_step_time
 from lightning_hybrid.sharding.sharded_buckets import ShardedGradientBuckets
 
-__all__ = ["Candidate", "Evaluated", "Setup", "decision_rule", "evaluate", "rank", "search"]
+__all__ = ["Candidate", "Evaluated", "Setup", "decision_rule", "evaluate", "expert_refusal", "rank", "search"]
 
 RECOMPUTES = ("none", "selective", "full")
 BUCKET_BYTES = 25 * 2**20  # the strategy's default bucket_cap_mb
@@ -46,14 +47,17 @@ class Candidate:
     recompute: str
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    expert_parallel_size: int = 1
+    """Data-parallel ranks each MoE layer's experts are split over (1: not split)."""
 
     def sizes(self) -> dict[str, int]:
         """The layout's sizes, keyed like ``HybridStrategy``'s arguments."""
         return {k: getattr(self, k) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                                              "zero_stage")}  # fmt: skip
+                                              "zero_stage", "expert_parallel_size")}  # fmt: skip
 
     def describe(self) -> str:
-        return (f"tp{self.tensor_parallel_size} x pp{self.pipeline_parallel_size} x dp{self.data_parallel_size}"
+        ep = f" ep{self.expert_parallel_size}" if self.expert_parallel_size > 1 else ""
+        return (f"tp{self.tensor_parallel_size} x pp{self.pipeline_parallel_size} x dp{self.data_parallel_size}{ep}"
                 f" zero{self.zero_stage} m{self.num_microbatches} {self.recompute}")  # fmt: skip
 
 
@@ -78,47 +82,88 @@ class Evaluated:
 
 
 def _stage_ledger(spec: ModelSpec, setup: Setup, c: Candidate, first: bool, last: bool) -> tuple[Ledger, dict]:
-    t, p, d = c.tensor_parallel_size, c.pipeline_parallel_size, c.data_parallel_size
+    t, p, d, ep = c.tensor_parallel_size, c.pipeline_parallel_size, c.data_parallel_size, c.expert_parallel_size
     blocks = math.ceil(spec.layers / p)
-    numel = blocks * spec.layer_params / t
+    start = 0 if first else spec.layers - blocks
+    dense_params, expert_params = spec.stage_params(start, start + blocks)
+    moe_blocks = sum(1 for i in spec.moe_layer_indices if start <= i < start + blocks)
+    numel = dense_params / t
     if first:
         numel += spec.embedding_params / t
     if last:
         numel += spec.head_params / t
+    # experts: 1/ep of them whole on every tensor rank under expert parallel, else split by moe_tp_experts
+    expert_numel = expert_params / (ep if ep > 1 else t)
     per = state_bytes_per_parameter(setup.precision, setup.optimizer, c.zero_stage, d)
+    per_expert = state_bytes_per_parameter(setup.precision, setup.optimizer, c.zero_stage, d, expert_parallel_size=ep)
+    state = {k: per[k] * numel + per_expert[k] * expert_numel for k in per}
     act_bytes = PRECISION_BYTES[setup.precision][3]
     sp = t > 1 and setup.sequence_parallel
     stage = 0 if first else p - 1
     flight = in_flight_microbatches(c.schedule, p, c.num_microbatches, c.virtual_stages, stage)
-    acts = stage_activation_bytes(spec, setup.micro_batch, blocks, first=first, last=last, act_bytes=act_bytes,
-                                  tensor_parallel_size=t, sequence_parallel=sp, recompute=c.recompute,
-                                  attention=setup.attention, dropout=setup.dropout)  # fmt: skip
+    kwargs = {"act_bytes": act_bytes, "tensor_parallel_size": t, "sequence_parallel": sp,
+              "attention": setup.attention, "dropout": setup.dropout}  # fmt: skip
+    acts = stage_activation_bytes(spec, setup.micro_batch, blocks, first=first, last=last, recompute=c.recompute,
+                                  moe_blocks=moe_blocks, expert_parallel_size=ep, **kwargs)  # fmt: skip
     activations = flight * (acts["blocks"] + acts["inputs"] + acts["outputs"])
     buffers = {"logits": acts["logits"] * (c.num_microbatches if c.schedule == "gpipe" and p > 1 else 1)}
     if c.recompute == "full":  # backward recomputes one block at a time: its full activations exist meanwhile
-        buffers["recompute"] = block_bytes(
-            spec,
-            setup.micro_batch,
-            act_bytes=act_bytes,
-            tensor_parallel_size=t,
-            sequence_parallel=sp,
-            attention=setup.attention,
-            dropout=setup.dropout,
-        )
+        buffers["recompute"] = block_bytes(spec, setup.micro_batch, moe=moe_blocks > 0, expert_parallel_size=ep,
+                                           **kwargs)  # fmt: skip
     if c.zero_stage == 3 and d > 1:
-        # FSDP2 gathers a block (and prefetches the next); under pipeline parallel the stage's blocks stay gathered
-        gathered = blocks if p > 1 else 2
-        buffers["zero3_gather"] = gathered * spec.layer_params / t * act_bytes * (d - 1) / d
+        # FSDP2 gathers a block (and prefetches the next); under pipeline parallel the stage's blocks stay gathered.
+        # Expert weights are gathered over the dp / ep ranks holding them
+        if p > 1:
+            gathered = (dense_params, expert_params)
+        else:
+            biggest = max(range(spec.layers), key=lambda i: sum(spec.block_params(i)))
+            gathered = tuple(2 * x for x in spec.block_params(biggest))
+        de = d // ep
+        dense_part = gathered[0] / t * (d - 1) / d
+        expert_part = gathered[1] / (ep if ep > 1 else t) * (de - 1) / de
+        buffers["zero3_gather"] = act_bytes * (dense_part + expert_part)
     if d > 1 and c.zero_stage in (1, 2, 3):
         # ZeRO-2 without a pipeline reduces bucket by bucket during backward: those in flight and the one filling
-        in_use = ShardedGradientBuckets.MAX_IN_FLIGHT + 1 if c.zero_stage == 2 and p == 1 else 2
+        # (not with expert weights: their groups reduce after the last backward pass)
+        in_use = ShardedGradientBuckets.MAX_IN_FLIGHT + 1 if c.zero_stage == 2 and p == 1 and ep == 1 else 2
         buffers["buckets"] = in_use * BUCKET_BYTES
+    if ep > 1 and moe_blocks:  # the dispatch's rows sent and received, one MoE layer at a time
+        buffers["dispatch"] = 2 * spec.top_k * setup.micro_batch * spec.seq * spec.hidden * act_bytes
     # set-up (deferred construction): the shards, plus the replay's full tensors in flight, in the parameters' dtype
-    largest = max(spec.vocab * spec.hidden, spec.hidden * (spec.ffn or 4 * spec.hidden))
-    setup_bytes = per["parameters"] * numel + 2 * largest * PRECISION_BYTES[setup.precision][0]
-    ledger = Ledger(per["parameters"] * numel, per["gradients"] * numel, per["master"] * numel,
-                    per["optimizer"] * numel, activations, sum(buffers.values()), setup_bytes)  # fmt: skip
-    return ledger, {"buffers": buffers, "in_flight": flight, "numel": numel}
+    packed = spec.experts * (2 if spec.family == "llama" else 1) * spec.expert_ffn_size  # a gate|up expert tensor
+    largest = max(spec.vocab * spec.hidden, spec.hidden * (spec.ffn or 4 * spec.hidden), spec.hidden * packed)
+    setup_bytes = state["parameters"] + 2 * largest * PRECISION_BYTES[setup.precision][0]
+    ledger = Ledger(state["parameters"], state["gradients"], state["master"], state["optimizer"], activations,
+                    sum(buffers.values()), setup_bytes)  # fmt: skip
+    return ledger, {"buffers": buffers, "in_flight": flight, "numel": numel + expert_numel,
+                    "expert_numel": expert_numel}  # fmt: skip
+
+
+def expert_refusal(spec: ModelSpec, setup: Setup, c: Candidate) -> Optional[str]:
+    """Why the strategy would refuse ``c``'s expert parallel (None when it would run it): such layouts are not
+    ranked.
+
+    Example:
+        >>> spec = ModelSpec(layers=2, hidden=64, heads=4, family="llama", experts=8, top_k=2)
+        >>> expert_refusal(spec, Setup(sequence_parallel=False), Candidate(2, 1, 4, 1, 1, "none",
+        ...                expert_parallel_size=4))
+        >>> expert_refusal(spec, Setup(), Candidate(2, 1, 4, 1, 1, "none", expert_parallel_size=4))
+        'expert_parallel_size=4 does not run with sequence_parallel=True (plan with sequence_parallel=False)'
+    """
+    ep, d = c.expert_parallel_size, c.data_parallel_size
+    if ep == 1:
+        return None
+    if not spec.is_moe:
+        return f"expert_parallel_size={ep}, but the model has no mixture-of-experts layer"
+    if d % ep:
+        return f"expert_parallel_size={ep} does not divide data_parallel_size={d}"
+    if spec.experts % ep:
+        return f"expert_parallel_size={ep} does not divide the {spec.experts} experts"
+    if setup.precision in ("bf16-true", "16-true"):
+        return f"expert_parallel_size={ep} does not run with '-true' precisions ({setup.precision})"
+    if c.tensor_parallel_size > 1 and setup.sequence_parallel:
+        return f"expert_parallel_size={ep} does not run with sequence_parallel=True (plan with sequence_parallel=False)"
+    return None
 
 
 def _structural_reason(spec: ModelSpec, hw: Hardware, c: Candidate) -> Optional[str]:
@@ -158,7 +203,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evalu
                               micro_batch=setup.micro_batch, num_microbatches=c.num_microbatches,
                               grad_bytes=grad_bytes, act_bytes=PRECISION_BYTES[setup.precision][3],
                               schedule=c.schedule, virtual=c.virtual_stages, recompute=c.recompute,
-                              mfu=setup.mfu)  # fmt: skip
+                              mfu=setup.mfu, expert_parallel_size=c.expert_parallel_size)  # fmt: skip
     limit = f"{_gb(hw.device_memory).replace('.0 ', ' ')} x {hw.usable_fraction:g}"
     if ledger.setup > hw.usable_memory >= ledger.training:
         reason = f"set-up (shards + the replay's largest tensors) {_gb(ledger.setup)} > {limit}"
@@ -194,9 +239,12 @@ def search(
     zero_stage: Optional[int] = None,
     num_microbatches: Optional[int] = None,
     recompute: Optional[str] = None,
+    expert_parallel_size: Optional[int] = None,
 ) -> list[Evaluated]:
-    """Every layout of the cluster (tensor parallel within a node, any pipeline depth dividing the rest), each given
-    dimension fixed; ranked: feasible layouts by estimated time per token, then the infeasible by peak memory."""
+    """Every layout of the cluster (tensor parallel within a node, any pipeline depth dividing the rest, for a
+    mixture-of-experts model expert parallel over a power of two dividing the data-parallel size and the expert
+    count), each given dimension fixed; ranked: feasible layouts by estimated time per token, then the infeasible by
+    peak memory. Layouts the strategy would refuse (:func:`expert_refusal`) are left out."""
     world = hw.world_size
     tps = [tensor_parallel_size] if tensor_parallel_size else _powers_of_two_upto(min(world, hw.devices_per_node))
     out: list[Evaluated] = []
@@ -214,10 +262,14 @@ def search(
             # 4 micro-batches per stage: the 1F1B bubble (p-1)/m under a fifth; 1F1B holds at most p in flight anyway
             m = num_microbatches or (4 * p if p > 1 else 1)
             zeros = [zero_stage] if zero_stage is not None else ([0, 1, 2, 3] if d > 1 else [0])
-            for z in zeros:
-                for r in [recompute] if recompute else RECOMPUTES:
-                    c = Candidate(t, p, d, z, m, r, setup.schedule if p > 1 else "1f1b", setup.virtual_stages
-                                  if p > 1 else 1)  # fmt: skip
+            if expert_parallel_size:
+                eps = [expert_parallel_size]
+            else:
+                eps = [e for e in _powers_of_two_upto(d) if e == 1 or (spec.is_moe and spec.experts % e == 0)]
+            for z, ep, r in itertools.product(zeros, eps, [recompute] if recompute else RECOMPUTES):
+                c = Candidate(t, p, d, z, m, r, setup.schedule if p > 1 else "1f1b", setup.virtual_stages
+                              if p > 1 else 1, ep)  # fmt: skip
+                if expert_refusal(spec, setup, c) is None:
                     out.append(evaluate(spec, hw, setup, c))
     return rank(out)
 
@@ -232,7 +284,10 @@ def decision_rule(evaluated: list[Evaluated], spec: ModelSpec, hw: Hardware) -> 
     1. a model that fits on one device gets data parallel;
     2. a model where one layer fits gets ZeRO-3 (over every device);
     3. otherwise tensor parallel inside a node, pipeline across nodes, and data parallel over the rest.
+
+    The rules choose among layouts without expert parallel; the ranking weighs those with it.
     """
+    evaluated = [e for e in evaluated if e.candidate.expert_parallel_size == 1]  # the rules predate expert parallel
     by_recompute = {r: [e for e in evaluated if e.candidate.recompute == r] for r in RECOMPUTES}
     for r in RECOMPUTES:
         group = by_recompute[r]
