@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
 from examples.hf_llama import HFLlama
+from examples.hf_mixtral import HFMixtral
 from examples.nanogpt import GPT, GPTConfig, NanoGPT
 from tests.foreign_models import LITGPT_CONFIGS, LitGPTModule
 
@@ -60,6 +61,25 @@ class DeferredHFLlama(HFLlama):
             h = {**self.hparams}
             h.pop("learning_rate", None)
             self.model = LlamaForCausalLM(LlamaConfig(**h, attn_implementation="sdpa"))
+
+
+class DeferredHFMixtral(HFMixtral):
+    """The Hugging Face Mixtral example (a mixture of experts, with the router's load-balancing loss) with
+    ``MixtralForCausalLM(config)`` built in ``configure_model``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        L.LightningModule.__init__(self)  # not HFMixtral's: it builds the network
+        defaults = {n: p.default for n, p in inspect.signature(HFMixtral.__init__).parameters.items() if n != "self"}
+        self.save_hyperparameters({**defaults, **kwargs})
+        self.model: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from transformers import MixtralConfig, MixtralForCausalLM
+
+            h = {**self.hparams}
+            h.pop("learning_rate", None)
+            self.model = MixtralForCausalLM(MixtralConfig(**h, attn_implementation="sdpa"))
 
 
 class DeferredLitGPT(LitGPTModule):
@@ -142,6 +162,7 @@ class UnseenDeferred(L.LightningModule):
 DEFERRED_MODULES = {
     "deferred_nanogpt": DeferredNanoGPT,
     "deferred_llama": DeferredHFLlama,
+    "deferred_mixtral": DeferredHFMixtral,
     "deferred_litgpt": DeferredLitGPT,
     "deferred_unseen": UnseenDeferred,
 }
