@@ -3,7 +3,7 @@ split over the expert-parallel ranks like one device of the same module, data an
 rank holding the dense weights and 1/ep of the expert weights (measured); what cannot be dispatched is refused
 before training, on every rank.
 
-The 2- and 4-process layouts run in the session's shared launches. Few steps on tiny models: a token sent to the
+The 2-, 4- and 8-process layouts run in the session's shared launches. Few steps on tiny models: a token sent to the
 wrong expert, a weight not multiplied, or an expert gradient averaged over the wrong ranks moves the first step's
 loss or gradients by far more than 1e-5.
 """
@@ -43,6 +43,10 @@ CASES = [
     _case("qwen3_moe-ep2-dp4-zero1", "hf-qwen3_moe", 4, 4, expert_parallel_size=2, zero_stage=1),
     _case("qwen3_moe-ep2-dp4-zero3", "hf-qwen3_moe", 4, 4, expert_parallel_size=2, zero_stage=3),
     _case("mixtral-ep2-dp4-zero2", "hf-mixtral", 4, 4, expert_parallel_size=2, zero_stage=2),
+    # one expert per rank over four ranks, each expert held by two (dp8): reduced over the pair, its optimizer state
+    # (ZeRO-1) or its weights (ZeRO-3) sharded over it
+    _case("mixtral-ep4-dp8-zero1", "hf-mixtral", 8, 8, expert_parallel_size=4, zero_stage=1),
+    _case("qwen3_moe-ep4-dp8-zero3", "hf-qwen3_moe", 8, 8, expert_parallel_size=4, zero_stage=3),
     # clipping by the global norm (every step clips): each expert element counted once, whether its shard is held
     # whole by the dp / ep ranks holding it (ZeRO-0) or sharded over them (ZeRO-1)
     *[{**_case(f"mixtral-ep2-dp4-zero{z}-clip", "hf-mixtral", 4, 4, expert_parallel_size=2, zero_stage=z),
@@ -75,8 +79,15 @@ RESUMED = [
     {**_case(f"mixtral-resumed-at-{name}", "hf-mixtral", 4, 4, **strategy), "steps": SAVED_STEPS, "resume_from": SAVED}
     for name, strategy in [("ep4", {"expert_parallel_size": 4, "zero_stage": 1}), ("ep1-zero3", {"zero_stage": 3})]
 ]
-for _world in (2, 4):
-    share(_world, [c for c in CASES if c["world"] == _world] + ([SOURCE, *RESUMED] if _world == 4 else []))
+# mixed precision: the same layout with the experts split (ep2) and replicated (ep1), each under the precision plugin
+# (fp16 with its loss scaler, bf16): the split may only change the experts' low-precision rounding
+MIXED = [
+    {**_case(f"mixtral-ep{ep}-dp4-zero1-{precision}", "hf-mixtral", 4, 4, expert_parallel_size=ep, zero_stage=1),
+     "precision_plugin": {"precision": precision}, "probe": True}
+    for precision in ("16-mixed", "bf16-mixed") for ep in (1, 2)
+]  # fmt: skip
+for _world in (2, 4, 8):
+    share(_world, [c for c in CASES if c["world"] == _world] + ([SOURCE, *RESUMED, *MIXED] if _world == 4 else []))
 
 
 def _expert_and_dense_numel(model: str) -> tuple[int, int]:
@@ -113,6 +124,27 @@ def test_expert_parallel_matches_one_device_or_is_refused(shared_groups, case: d
     assert held == [4 * (dense + expert // ep)] * world, held
     if zero == 0:
         assert [r["model_state"]["gradients"] for r in records] == [4 * (dense + expert // ep)] * world
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_mixed_precision_with_experts_split_trains_as_with_experts_replicated(shared_groups, precision) -> None:
+    """Under fp16 (loss scaling, overflow agreed over every rank) and bf16 autocast, splitting the experts changes
+    only the rounding of their low-precision matmuls: losses within 0.5% of the same layout with every expert on every
+    rank, and of fp32 on one device within 2%; the loss scale the same on every rank."""
+    group = shared_groups(4)
+    split, replicated = (group.get(f"ep-mixtral-ep{ep}-dp4-zero1-{precision}") for ep in (2, 1))
+    fp32 = run_reference({k: v for k, v in MIXED[0].items() if k not in ("strategy", "refusal", "precision_plugin")})
+    assert len(split["losses"]) == len(replicated["losses"]) == len(fp32["losses"]) == STEPS
+    for got, same_layout, one_device in zip(split["losses"], replicated["losses"], fp32["losses"]):
+        assert abs(got - same_layout) / same_layout <= 5e-3, (split["losses"], replicated["losses"])
+        assert abs(got - one_device) / one_device <= 2e-2, (split["losses"], fp32["losses"])
+    assert split["losses"] != fp32["losses"], "the plugin must have run in low precision"
+    for name, want in replicated["params"].items():
+        assert relative_error(split["params"][name], want) <= 5e-2, name
+    # every rank used the same loss scale and skipped the same steps (an overflow in one rank's experts skips all)
+    per_rank = [[(step["scale"], step["skipped"]) for step in steps] for steps in split["probe"]]
+    assert len(per_rank) == 4 and all(r == per_rank[0] for r in per_rank), per_rank
 
 
 @pytest.mark.timeout(2400)
