@@ -64,6 +64,13 @@ CASES = [
     # more families, found by structure only (tests/zoo_models.py)
     *[_case(f"{family}-ep2", f"hf-{family}", 2, 2, expert_parallel_size=2, zero_stage=1)
       for family in ("olmoe", "gpt_oss", "granitemoe", "ernie4_5_moe", "glm4_moe")],
+    # the example's load-balancing loss reads every layer's router logits from the network's output: under a pipeline
+    # the last stage would see only its own layers' (a small difference, in silence: Mixtral's coefficient is 1e-3)
+    {**_case("mixtral-aux-loss-pp2-refused", "deferred_mixtral", 4, 2,
+             r"HybridConfigError: The pipeline cut .* `router_logits` hold values made inside the blocks",
+             expert_parallel_size=2, pipeline_parallel_size=2),
+     "model_kwargs": {"num_hidden_layers": 2, "num_local_experts": 4, "hidden_size": 32, "intermediate_size": 64,
+                      "router_aux_loss_coef": 1e-3}},
     # no mixture-of-experts layer: refused, not trained as if split
     _case("llama-refused", "hf-llama", 2, 2,
           r"HybridConfigError: `expert_parallel_size=2`, but .* has no mixture-of-experts", expert_parallel_size=2),

@@ -268,7 +268,10 @@ class PipelineRunner:
             return self._sendable(stage, self._partial_forward(step, stage, received, args, kwargs))
 
         def network_call(*args: Any, **kwargs: Any) -> Any:
-            return self._partial_forward(step, stage, received, args, kwargs)
+            out = self._partial_forward(step, stage, received, args, kwargs)
+            if step.checks is not None and mb == 0:
+                step.checks.check_network_output(out)
+            return out
 
         self._log.sink = step.records[mb]
         try:

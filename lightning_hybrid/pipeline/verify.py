@@ -54,6 +54,7 @@ wrong cut moves the loss or the norm by far more (a stubbed head gives ln(vocab)
 LOW_PRECISION_TOLERANCE = 5e-2
 
 VerifySetting = Union[bool, str]
+_COLLECTED_FIELDS = "the network's output field(s)"
 
 
 # ---------------------------------------------------------------------------------------------- structural checks
@@ -97,6 +98,9 @@ class FirstStepChecks:
     _handles: list[Any] = field(default_factory=list)
     _received: set[int] = field(default_factory=set)
     """Parameters a gradient reached in backward: gradient buckets and fp32 masters take ``p.grad`` away at once."""
+    _made_in_blocks: Optional[dict[int, Tensor]] = None
+    """Tensors the last stage's blocks made inside them (their modules' outputs, the network's last block's own
+    output excepted), while its first micro-batch runs: held, so that no id is reused before the check."""
 
     def __post_init__(self) -> None:
         names = self._module_names()
@@ -110,6 +114,14 @@ class FirstStepChecks:
         for module in self.network.modules():
             if isinstance(module, InputStub):
                 self._handles.append(module.register_forward_pre_hook(self._stub_called(names.get(id(module), "?"))))
+        last = self.split.num_stages - 1
+        if last in self.split.local_stages():
+            self._made_in_blocks = {}
+            final = self.split.blocks[len(self.split.blocks) - 1]
+            for i in self.split.plan.blocks(last):
+                for module in self.split.blocks[i].modules():
+                    if module is not final:
+                        self._handles.append(module.register_forward_hook(self._record_made))
 
     def _module_names(self) -> dict[int, str]:
         return {id(m): n for n, m in self.network.named_modules()}
@@ -126,6 +138,33 @@ class FirstStepChecks:
                 self._late.setdefault(self._entered, set()).add(name)
 
         return hook
+
+    def _record_made(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._made_in_blocks is not None:
+            self._made_in_blocks.update((id(t), t) for t in tensors_in(output))
+
+    def check_network_output(self, out: Any) -> None:
+        """Micro-batch 0 on the last stage: no field of the network's output holds a value made inside the blocks
+        (a submodule's output, or a block's other than the network's last). Such a field collects from every block
+        (transformers' router logits for a mixture of experts' load-balancing loss, every layer's hidden states or
+        attentions), and on this stage it holds only this stage's blocks' values: the loss would differ from one
+        device's, by little, in silence."""
+        made, self._made_in_blocks = self._made_in_blocks, None
+        if not made or isinstance(out, Tensor):
+            return
+        fields = out.items() if isinstance(out, dict) else enumerate(out) if isinstance(out, (list, tuple)) else ()
+        collected = [str(k) for k, v in fields if any(id(t) in made for t in tensors_in(v))]
+        if collected:
+            self.failures.append(
+                f"pipeline stage {self.split.num_stages - 1} (the last): {_COLLECTED_FIELDS}"
+                f" {', '.join(f'`{k}`' for k in collected)} hold values made inside the blocks"
+                f" `{self._blocks_name()}`: the network collects them from every block (a mixture-of-experts model's"
+                " router logits for its load-balancing loss, every layer's hidden states or attentions), and this"
+                " stage runs only its own blocks, so whatever reads them would differ from one device. Do not ask"
+                " the network for them under pipeline parallel (e.g. `output_router_logits=False`,"
+                " `output_hidden_states=False`, `output_attentions=False`), or train without pipeline parallel"
+                " (`pipeline_parallel_size=1`)."
+            )
 
     def begin(self) -> None:
         """A stage's forward starts: its blocks have not run yet."""
@@ -207,7 +246,7 @@ class FirstStepChecks:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._made_in_blocks = [], None
 
     def raise_together(self) -> None:
         """Every rank raises one error listing what any rank found, the same message everywhere (collective over
@@ -219,13 +258,18 @@ class FirstStepChecks:
             dist.all_gather_object(found, self.failures)
         # tensor-parallel and data-parallel peers of a stage find the same: each finding once, in stage order
         failures = sorted(dict.fromkeys(f for rank in found for f in rank), key=_stage_of)
+        placement = (
+            " Train it without pipeline parallel, give the LightningModule an `example_input_array` on which its"
+            " forward runs with meta tensors (the cut then follows the order in which the forward calls the"
+            " modules), or register the modules on the side of the block list where the forward calls them."
+        )
         if failures:
+            # a field collected from every block has its own fix, said in its finding; the others are placements
+            advice = "" if all(_COLLECTED_FIELDS in f for f in failures) else placement
             raise HybridConfigError(
                 "The pipeline cut does not fit this network's forward, which would train wrong: "
                 + " ".join(failures)
-                + " Train it without pipeline parallel, give the LightningModule an `example_input_array` on which"
-                " its forward runs with meta tensors (the cut then follows the order in which the forward calls the"
-                " modules), or register the modules on the side of the block list where the forward calls them."
+                + advice
             ) from (self.errors[0] if self.errors else None)
 
     def failed(self, stage: int, error: BaseException) -> None:
