@@ -12,6 +12,7 @@ import torch
 
 # the scenarios whose measured model state is predicted below are registered by their own modules (all launched once)
 import tests.test_checkpoint  # noqa: F401
+import tests.test_expert_parallel  # noqa: F401
 import tests.test_pipeline  # noqa: F401
 import tests.test_precision  # noqa: F401
 from lightning_hybrid import HybridConfigError, HybridStrategy, plan
@@ -231,6 +232,271 @@ def test_activations_within_10_percent_of_saved_tensors(model: str, stages: int,
         assert abs(got - want) <= 0.1 * got, f"stage {stage}: predicted {want} bytes, autograd saved {got}"
 
 
+# ---------------------------------------------------------------------- mixture of experts and expert parallel
+MIXTRAL_8X7B = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "vocab_size": 32000, "max_position_embeddings": 32768, "tie_word_embeddings": False}  # fmt: skip
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "tie_word_embeddings": False}  # fmt: skip
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+               "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+               "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 163840,
+               "tie_word_embeddings": False, "n_group": 8, "topk_group": 4}  # fmt: skip
+QWEN2_MOE_A2_7B = {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
+                   "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_hidden_layers": 24,
+                   "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4,
+                   "vocab_size": 151936, "max_position_embeddings": 8192, "tie_word_embeddings": False}  # fmt: skip
+
+
+def _expert_and_dense(module: torch.nn.Module) -> tuple[int, int]:
+    """The module's routed-expert parameters (expert parallel's experts modules) and the rest."""
+    from lightning_hybrid.expert_parallel import find_expert_modules
+
+    found, _ = find_expert_modules(module)
+    expert = sum(p.numel() for e in found for p in module.get_submodule(e.name).parameters())
+    return expert, sum(p.numel() for p in module.parameters()) - expert
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_moe_sizes_from_the_hf_config_and_the_module_count_the_model(family: str) -> None:
+    """The zoo's tiny configs (tests/zoo_models.py): both forms give the model's own total and expert parameters."""
+    from tests.zoo_models import COMMON, FAMILIES
+
+    with torch.device("meta"):
+        module = build_module(f"hf-{family}")
+    expert, dense = _expert_and_dense(module)
+    for spec in (ModelSpec.from_hf_config({"model_type": family, **COMMON, **FAMILIES[family]}),
+                 ModelSpec.from_module(module)):  # fmt: skip
+        assert (spec.total_params, spec.expert_params, spec.dense_params) == (dense + expert, expert, dense), family
+        assert (spec.experts, spec.top_k) == (4, 2)
+        # DeepSeek-V3's first layer is dense (first_k_dense_replace=1)
+        assert spec.moe_layer_indices == ((1,) if family == "deepseek_v3" else (0, 1))
+        assert spec.active_params == dense + expert * 2 / 4
+
+
+@pytest.mark.parametrize(("config", "total", "active"), [(MIXTRAL_8X7B, 46.70, 12.88), (QWEN3_30B_A3B, 30.53, 3.35),
+                         (DEEPSEEK_V3, 671.03, 37.55), (QWEN2_MOE_A2_7B, 14.32, 2.69)],
+                         ids=["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen1.5-moe-a2.7b"])  # fmt: skip
+def test_moe_counts_of_released_models(config: dict[str, Any], total: float, active: float) -> None:
+    """Released models' configs: the spec counts what transformers builds (on the meta device), to the parameter;
+    active parameters as their model cards give them (DeepSeek-V3: 671B, 37B active; Mixtral: 46.7B, 12.9B)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = ModelSpec.from_hf_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    expert, dense = _expert_and_dense(model)
+    assert (spec.total_params, spec.expert_params) == (dense + expert, expert)
+    assert (round(spec.total_params / 1e9, 2), round(spec.active_params / 1e9, 2)) == (total, active)
+
+
+def test_expert_parallel_model_state_per_rank_arithmetic() -> None:
+    """The exact ledger at expert parallel, against the arithmetic of docs/expert-parallel.md for the zoo's Mixtral
+    (4 experts): each rank holds the dense weights and 1/ep of the experts; ZeRO-1/2 shard the dense weights' state
+    over dp and the experts' over the dp / ep ranks holding them (flat groups padded to those ranks); ZeRO-3 chunks
+    both, and the ranks add up to the model once. The measured comparison is test_model_state_predicted_exactly's
+    `ep-*` cases (multi-process)."""
+    with torch.device("meta"):
+        module = build_module("hf-mixtral")
+    expert, dense = _expert_and_dense(module)
+    assert (expert, dense) == (49152, 14752)
+
+    def predict(d: int, ep: int, zero: int, **kwargs: Any) -> list[dict[str, int]]:
+        return predict_model_state_bytes(module, data_parallel_size=d, expert_parallel_size=ep, zero_stage=zero,
+                                         **kwargs)  # fmt: skip
+
+    def up(n: int, k: int) -> int:
+        return -(-n // k)
+
+    for d, ep in ((2, 2), (4, 2), (4, 4)):
+        held = dense + expert // ep
+        assert predict(d, ep, 0) == [{"parameters": 4 * held, "gradients": 4 * held, "optimizer_state": 8 * held,
+                                      "total": 16 * held}] * d  # fmt: skip
+        de = d // ep  # ranks holding the same experts
+        sd, se = up(dense, d), up(expert // ep, de)  # the rank's shards of the two flat groups
+        for zero, grads in ((1, sd * d + se * de), (2, sd + se)):  # ZeRO-1 keeps the padded flat buffers
+            state = {"parameters": 4 * held, "gradients": 4 * grads, "optimizer_state": 12 * (sd + se)}
+            assert predict(d, ep, zero) == [{**state, "total": sum(state.values())}] * d, (d, ep, zero)
+        zero3 = predict(d, ep, 3)
+        assert sum(r["parameters"] for r in zero3) == 4 * (dense + expert)
+        assert zero3 == [{"parameters": 4 * (dense + expert) // d, "gradients": 4 * (dense + expert) // d,
+                          "optimizer_state": 8 * (dense + expert) // d,
+                          "total": 16 * (dense + expert) // d}] * d  # fmt: skip
+    # tensor parallel: with expert parallel the experts stay whole on each tensor rank (the model's moe_tp_experts
+    # entries give way); without it moe_tp_experts splits each expert's hidden size over the tensor ranks
+    with_ep = predict(4, 4, 0, tensor_parallel_size=2)
+    without = predict(4, 1, 0, tensor_parallel_size=2)
+    more = [r["parameters"] - w["parameters"] for r, w in zip(with_ep, without)]
+    assert more == [4 * (expert // 4 - expert // 2)] * 8
+    assert len({r["total"] for r in with_ep}) == 1
+    # refused as the strategy refuses them
+    with pytest.raises(HybridConfigError, match=r"expert_parallel_size=3.*must divide the data-parallel size"):
+        predict(4, 3, 1)
+    with pytest.raises(HybridConfigError, match=r"expert_parallel_size=8.*expert count \(\[4\]\)"):
+        predict(8, 8, 1)
+    with pytest.raises(HybridConfigError, match=r"'-true' precisions"):
+        predict(2, 2, 1, precision="bf16-true")
+    with torch.device("meta"):
+        dense_module = build_module("nanogpt")
+    with pytest.raises(HybridConfigError, match=r"no experts module"):
+        predict_model_state_bytes(dense_module, data_parallel_size=2, expert_parallel_size=2)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_the_planners_expert_ledger_agrees_with_the_exact_one(zero: int, ep: int) -> None:
+    """The search's ledger (bytes per parameter, dense over dp, experts / ep over dp / ep) against the exact one
+    for the zoo's Mixtral at dp4: equal up to ZeRO's padding (under 0.2%)."""
+    from lightning_hybrid.planning import Hardware
+    from lightning_hybrid.planning.search import Candidate, Setup, evaluate
+
+    with torch.device("meta"):
+        module = build_module("hf-mixtral")
+    exact = predict_model_state_bytes(module, data_parallel_size=4, expert_parallel_size=ep, zero_stage=zero)[0]
+    setup = Setup(precision="32-true", optimizer="adamw")
+    ledger = evaluate(ModelSpec.from_module(module, seq=16), Hardware(1e9, devices_per_node=4), setup,
+                      Candidate(1, 1, 4, zero, 1, "none", expert_parallel_size=ep)).ledger  # fmt: skip
+    assert ledger.parameters == pytest.approx(exact["parameters"])
+    assert ledger.gradients == pytest.approx(exact["gradients"], rel=2e-3)
+    assert ledger.master + ledger.optimizer == pytest.approx(exact["optimizer_state"], rel=2e-3)
+
+
+def test_mixtral_8x7b_per_gpu_state_at_ep1_and_ep8() -> None:
+    """Mixtral-8x7B on one node of 8 H200s, ZeRO-1, bf16-mixed, AdamW: without expert parallel every GPU holds all
+    46.7B parameters (4 + 4 bytes) and 1/8 of the master and moments (12 / 8); at ep8 it holds the 1.61B dense
+    ones and one expert of each layer (5.64B), whose state is its own alone (the ranks holding it: one)."""
+    result = plan(hf_config=MIXTRAL_8X7B, seq=4096, gpu="H200", nodes=1, recompute="full", zero_stage=1,
+                  tensor_parallel_size=1, pipeline_parallel_size=1, precision="bf16-mixed")  # fmt: skip
+    spec = result.spec
+    by_ep = {e.candidate.expert_parallel_size: e.ledger for e in result.layouts}
+    assert sorted(by_ep) == [1, 2, 4, 8]
+    dense, expert = spec.dense_params, spec.expert_params
+    assert by_ep[1].model_state == pytest.approx(8 * (dense + expert) + 12 / 8 * (dense + expert))
+    assert by_ep[8].model_state == pytest.approx(8 * (dense + expert / 8) + 12 / 8 * dense + 12 * expert / 8)
+    assert round(by_ep[1].model_state / GB) == 444 and round(by_ep[8].model_state / GB) == 128
+    assert by_ep[8].parameters / GB == pytest.approx(28.97, abs=0.01)
+
+
+def test_all_to_all_term_and_active_flops() -> None:
+    """The step's all-to-all: 4 x MoE layers x micro-batches x (b s top_k) rows x h x bytes x (ep-1)/ep over NVLink
+    while the t x ep ranks fit in a node, the network beyond; compute from the active parameters (12.9B of 46.7B),
+    the experts' share t times over under expert x tensor parallel."""
+    from lightning_hybrid.planning import Hardware
+    from lightning_hybrid.planning.steptime import estimate_step_time
+
+    spec = ModelSpec.from_hf_config(MIXTRAL_8X7B, seq=4096)
+    hw = Hardware.preset("H100", nodes=2)
+    common = {"pipeline_parallel_size": 1, "zero_stage": 1, "micro_batch": 1, "num_microbatches": 2, "grad_bytes": 4}
+    base = estimate_step_time(spec, hw, tensor_parallel_size=1, data_parallel_size=16, **common)
+    assert base.all_to_all == 0
+    tokens = 16 * 2 * 4096
+    assert base.compute == pytest.approx(tokens * (6 * spec.active_params + 12 * 32 * 4096 * 4096)
+                                         / (16 * hw.peak_flops * 0.4))  # fmt: skip
+    for t, d, ep, link in ((1, 16, 2, hw.intra_node_bandwidth), (1, 16, 8, hw.intra_node_bandwidth),
+                           (2, 8, 8, hw.inter_node_bandwidth)):  # fmt: skip
+        step = estimate_step_time(spec, hw, tensor_parallel_size=t, data_parallel_size=d, expert_parallel_size=ep,
+                                  **common)  # fmt: skip
+        want = 4 * 32 * 2 * (1 * 4096 * 2) * 4096 * 2 * (ep - 1) / ep / link
+        assert step.all_to_all == pytest.approx(want), (t, ep)
+        assert step.total == pytest.approx(sum(v for k, v in step.as_dict().items() if k != "total"))
+    tp_ep = estimate_step_time(spec, hw, tensor_parallel_size=2, data_parallel_size=8, expert_parallel_size=8,
+                               **common)  # fmt: skip
+    experts_active = spec.active_params - spec.dense_params
+    flops = 8 * 2 * 4096 * (6 * (spec.dense_params + 2 * experts_active) + 12 * 32 * 4096 * 4096)
+    assert tp_ep.compute == pytest.approx(flops / (16 * hw.peak_flops * 0.4))
+
+
+def test_search_expert_parallel_sizes_and_refused_layouts() -> None:
+    """ep is searched over the powers of two dividing dp and the experts, for MoE models only; layouts the strategy
+    refuses (sequence parallel with tensor parallel, '-true' precisions) are not ranked; the decision rules pick among
+    layouts without expert parallel; the table and JSON show ep and the all-to-all."""
+    kwargs = {"hf_config": MIXTRAL_8X7B, "seq": 4096, "gpu": "H200", "nodes": 1, "recompute": "full"}
+    result = plan(**kwargs)
+    sizes = {(e.candidate.tensor_parallel_size, e.candidate.data_parallel_size, e.candidate.expert_parallel_size)
+             for e in result.layouts}  # fmt: skip
+    assert {ep for _, _, ep in sizes} == {1, 2, 4, 8}
+    assert all(d % ep == 0 and 8 % ep == 0 for _, d, ep in sizes)
+    assert all(t == 1 or ep == 1 for t, _, ep in sizes), "sequence parallel (the default) refuses ep with tp"
+    assert result.rule.candidate.expert_parallel_size == 1
+    assert all((e.step.all_to_all > 0) == (e.candidate.expert_parallel_size > 1) for e in result.layouts)
+    table = result.table()
+    assert "a2a s" in table and " ep8 zero" in table and "45.10B in experts, 12.88B active" in table
+    records = json.loads(result.to_json())["layouts"]
+    assert {r["expert_parallel_size"] for r in records} == {1, 2, 4, 8}
+    without_sp = plan(**kwargs, sequence_parallel=False)
+    assert any(e.candidate.tensor_parallel_size > 1 and e.candidate.expert_parallel_size > 1
+               for e in without_sp.layouts)  # fmt: skip
+    assert {e.candidate.expert_parallel_size for e in plan(**kwargs, expert_parallel_size=4).layouts} == {4}
+    assert {e.candidate.expert_parallel_size for e in plan(**kwargs, precision="bf16-true").layouts} == {1}
+    dense = plan(layers=2, hidden=64, heads=4, nodes=1, device_memory=1)
+    assert {e.candidate.expert_parallel_size for e in dense.layouts} == {1} and "a2a" not in dense.table()
+    with pytest.raises(HybridConfigError, match=r"`expert_parallel_size=2`.*no mixture-of-experts layer"):
+        plan(layers=2, hidden=64, heads=4, nodes=1, device_memory=1, expert_parallel_size=2)
+    with pytest.raises(HybridConfigError, match=r"`expert_parallel_size=3`.*does not divide the 8 experts"):
+        plan(**kwargs, expert_parallel_size=3)
+    with pytest.raises(HybridConfigError, match=r"'-true' precisions"):
+        plan(**kwargs, expert_parallel_size=2, precision="bf16-true")
+
+
+def test_the_command_fixes_expert_parallel(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    layouts = _plan_json("--hf-config", str(tmp_path), "--seq", "4096", "--gpu", "H200", "--nodes", "1",
+                         "--expert-parallel-size", "8", "--recompute", "full")  # fmt: skip
+    assert layouts and all(x["expert_parallel_size"] == 8 for x in layouts)
+    assert all(x["step_terms_s"]["all_to_all"] > 0 for x in layouts)
+
+
+MOE_ACT_MODELS = ["hf-mixtral", "hf-qwen2_moe"]
+
+
+@pytest.mark.parametrize("model", MOE_ACT_MODELS)
+def test_moe_activations_within_10_percent_of_saved_tensors(model: str) -> None:
+    """Every saved storage of a forward of the zoo's MoE models (fp32, eager attention) against the planner's count:
+    the routed rows' SwiGLU, router and indices, shared experts; what autograd saves beyond it is the Llama-family
+    block's own (the HF Llama in the same test is 3.6% over the count as well)."""
+    import torch.nn.functional as F
+
+    module = build_module(model)
+    b, s = 4, 64
+    x, y = torch.randint(0, 128, (b, s)), torch.randint(0, 128, (b, s))
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = module(x)
+        F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    spec = ModelSpec.from_module(module, seq=s)
+    parts = stage_activation_bytes(spec, b, spec.layers, first=True, last=True, act_bytes=4, attention="eager",
+                                   moe_blocks=len(spec.moe_layer_indices))  # fmt: skip
+    got, want = sum(seen.values()), sum(parts.values())
+    assert abs(got - want) <= 0.1 * got, f"predicted {want} bytes, autograd saved {got}"
+
+
+def test_planning_docstring_examples_run() -> None:
+    import doctest
+    import importlib
+
+    for name in ("model", "ledger", "activations", "steptime", "search", "report", "hardware"):
+        module = importlib.import_module(f"lightning_hybrid.planning.{name}")
+        assert doctest.testmod(module).failed == 0, name
+    import lightning_hybrid.planning as package
+
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for test in finder.find(package.plan, "plan", globs=vars(package).copy()):
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+
+
 # ---------------------------------------------------------------------- model state, to the byte, against the strategy
 # scenarios of the shared launches (their modules register them): every ZeRO stage in TP, PP and 3D layouts
 STATE_SCENARIOS = {
@@ -243,6 +509,17 @@ STATE_SCENARIOS = {
         "state-bf16-true-2x2x2-zero1", "state-bf16-true-tp2-dp4-zero2", "state-bf16-true-tp2-dp4-zero3",
         "mixed-bf16-mixed-2x2x2"],
 }  # fmt: skip
+# expert parallel (tests/test_expert_parallel.py): the experts split over ep ranks, whole on tensor ranks, their ZeRO
+# groups over dp / ep, every ZeRO stage, with tensor and pipeline parallel
+EXPERT_STATE_SCENARIOS = {
+    2: ["ep-mixtral-ep2"],
+    4: ["ep-mixtral-ep4-zero1", "ep-qwen3_moe-ep2-dp4-zero1", "ep-qwen3_moe-ep2-dp4-zero3", "ep-mixtral-ep2-dp4-zero2",
+        "ep-mixtral-ep2-tp2-zero1", "ep-qwen3_moe-ep2-tp2-zero3", "ep-deepseek_v3-ep2-pp2",
+        "ep-qwen2_moe-ep2-pp2-zero3"],
+    8: ["ep-mixtral-ep4-dp8-zero1", "ep-qwen3_moe-ep4-dp8-zero3"],
+}  # fmt: skip
+for _world, _names in EXPERT_STATE_SCENARIOS.items():
+    STATE_SCENARIOS[_world] = STATE_SCENARIOS.get(_world, []) + _names
 ZERO0_3D = scenario("plan-tp2-pp2-dp2-zero0", "nanogpt",
                     {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 0}, 2, steps=2)  # fmt: skip
 
@@ -289,6 +566,7 @@ def test_model_state_predicted_exactly(shared_groups, world: int, name: str) -> 
         data_parallel_size=layout["data_parallel_size"],
         zero_stage=layout["zero_stage"],
         precision=precision or "32-true",
+        expert_parallel_size=layout.get("expert_parallel_size", 1),
         **{k: v for k, v in case["strategy"].items() if k in _STRATEGY_KEYS},
     )
     measured = [r["model_state"] for r in result["per_rank"]]

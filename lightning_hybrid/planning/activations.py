@@ -65,7 +65,7 @@ def block_bytes(
         >>> moe = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=4096, family="llama",
         ...                 experts=8, top_k=2)
         >>> round(block_bytes(moe, 1, moe=True) / 2**20)  # Mixtral-8x7B: two experts' SwiGLU per token
-        1260
+        1297
     """
     s, b, h, t = spec.seq, micro_batch, spec.hidden, tensor_parallel_size
     sbh = s * b * h
