@@ -59,9 +59,12 @@ class HFMixtral(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        out = self.model(input_ids=x, output_router_logits=True)
+        coefficient = self.hparams.router_aux_loss_coef
+        # every layer's router logits, for the load-balancing loss: asked for only when that loss counts
+        out = self.model(input_ids=x, output_router_logits=coefficient > 0)
         loss = F.cross_entropy(out.logits.view(-1, out.logits.size(-1)), y.view(-1))
-        loss = loss + self.hparams.router_aux_loss_coef * out.aux_loss  # the router's load balancing
+        if coefficient > 0:
+            loss = loss + coefficient * out.aux_loss
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
