@@ -162,7 +162,7 @@ def parallelize(
         # data parallel and ZeRO train any module: only these settings need a block list
         structure = find_model_structure(module, options.transformer_blocks, needed_by)
         if layout.expert_parallel_size > 1:
-            _check_experts_dispatchable(module, layout, precision)
+            _check_experts_dispatchable(module, layout)
         if layout.tensor_parallel_size > 1 and not user_parallelized:
             plan = build_tensor_parallel_plan(
                 module, structure, tp_options.plan, vocab_parallel_loss=tp_options.vocab_parallel_loss
@@ -225,7 +225,7 @@ def parallelize(
     )
 
 
-def _check_experts_dispatchable(module: nn.Module, layout: ParallelLayout, precision: HybridPrecision) -> None:
+def _check_experts_dispatchable(module: nn.Module, layout: ParallelLayout) -> None:
     """Refuse, on the whole model (every rank plans the same, whichever pipeline stage it will hold), what expert
     parallel cannot split."""
     ep = layout.expert_parallel_size
@@ -248,11 +248,6 @@ def _check_experts_dispatchable(module: nn.Module, layout: ParallelLayout, preci
         raise HybridConfigError(
             f"`expert_parallel_size={ep}` does not divide the number of experts of {', '.join(uneven)}. Choose an"
             " expert_parallel_size that divides every MoE layer's expert count."
-        )
-    if precision.master_dtype is not None:
-        raise HybridConfigError(
-            f"`expert_parallel_size={ep}` does not run with '-true' precisions yet (their fp32 master weights"
-            " are ZeRO's): use '32-true' or a '-mixed' precision (docs/expert-parallel.md)."
         )
 
 

@@ -42,10 +42,12 @@ GROUPS = {
         _deferred("deferred_litgpt-tp2-dp2", "deferred_litgpt", TP2, 2, style="litgpt_pythia"),
         _deferred("deferred_nanogpt-tp2-dp2-zero3", "deferred_nanogpt", {**TP2, "zero_stage": 3}, 2),
         # a mixture of experts built on meta: each rank materializes only its experts (and its ZeRO-3 shards of them)
-        _deferred("deferred_mixtral-ep2-dp4-zero1", "deferred_mixtral",
-                  {"expert_parallel_size": 2, "zero_stage": 1}, 4),  # fmt: skip
-        _deferred("deferred_mixtral-ep2-pp2-zero3", "deferred_mixtral",
-                  {**PP2, "expert_parallel_size": 2, "zero_stage": 3}, 2),  # fmt: skip
+        _deferred(
+            "deferred_mixtral-ep2-dp4-zero1", "deferred_mixtral", {"expert_parallel_size": 2, "zero_stage": 1}, 4
+        ),
+        _deferred(
+            "deferred_mixtral-ep2-pp2-zero3", "deferred_mixtral", {**PP2, "expert_parallel_size": 2, "zero_stage": 3}, 2
+        ),
     ],
     8: [
         *[_deferred(f"{m}-2x2x2", m, {**TP2, **PP2}, 2) for m in ("deferred_nanogpt", "deferred_llama")],

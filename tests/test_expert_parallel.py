@@ -86,12 +86,13 @@ RESUMED = [
     {**_case(f"mixtral-resumed-at-{name}", "hf-mixtral", 4, 4, **strategy), "steps": SAVED_STEPS, "resume_from": SAVED}
     for name, strategy in [("ep4", {"expert_parallel_size": 4, "zero_stage": 1}), ("ep1-zero3", {"zero_stage": 3})]
 ]
-# mixed precision: the same layout with the experts split (ep2) and replicated (ep1), each under the precision plugin
-# (fp16 with its loss scaler, bf16): the split may only change the experts' low-precision rounding
+# low precision: the same layout with the experts split (ep2) and replicated (ep1), each under the precision plugin
+# (fp16 with its loss scaler, bf16 autocast, bf16 weights with fp32 masters): the split may only change the experts'
+# low-precision rounding
 MIXED = [
     {**_case(f"mixtral-ep{ep}-dp4-zero1-{precision}", "hf-mixtral", 4, 4, expert_parallel_size=ep, zero_stage=1),
      "precision_plugin": {"precision": precision}, "probe": True}
-    for precision in ("16-mixed", "bf16-mixed") for ep in (1, 2)
+    for precision in ("16-mixed", "bf16-mixed", "bf16-true") for ep in (1, 2)
 ]  # fmt: skip
 for _world in (2, 4, 8):
     share(_world, [c for c in CASES if c["world"] == _world] + ([SOURCE, *RESUMED, *MIXED] if _world == 4 else []))
@@ -134,11 +135,12 @@ def test_expert_parallel_matches_one_device_or_is_refused(shared_groups, case: d
 
 
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_mixed_precision_with_experts_split_trains_as_with_experts_replicated(shared_groups, precision) -> None:
-    """Under fp16 (loss scaling, overflow agreed over every rank) and bf16 autocast, splitting the experts changes
-    only the rounding of their low-precision matmuls: losses within 0.5% of the same layout with every expert on every
-    rank, and of fp32 on one device within 2%; the loss scale the same on every rank."""
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "bf16-true"])
+def test_low_precision_with_experts_split_trains_as_with_experts_replicated(shared_groups, precision) -> None:
+    """Under fp16 (loss scaling, overflow agreed over every rank), bf16 autocast and bf16 weights with fp32 masters,
+    splitting the experts changes only the rounding of their low-precision matmuls: losses within 0.5% of the same
+    layout with every expert on every rank, and of fp32 on one device within 2%; the loss scale the same on every
+    rank."""
     group = shared_groups(4)
     split, replicated = (group.get(f"ep-mixtral-ep{ep}-dp4-zero1-{precision}") for ep in (2, 1))
     fp32 = run_reference({k: v for k, v in MIXED[0].items() if k not in ("strategy", "refusal", "precision_plugin")})

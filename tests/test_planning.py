@@ -339,8 +339,6 @@ def test_expert_parallel_model_state_per_rank_arithmetic() -> None:
         predict(4, 3, 1)
     with pytest.raises(HybridConfigError, match=r"expert_parallel_size=8.*expert count \(\[4\]\)"):
         predict(8, 8, 1)
-    with pytest.raises(HybridConfigError, match=r"'-true' precisions"):
-        predict(2, 2, 1, precision="bf16-true")
     with torch.device("meta"):
         dense_module = build_module("nanogpt")
     with pytest.raises(HybridConfigError, match=r"no experts module"):
@@ -432,15 +430,13 @@ def test_search_expert_parallel_sizes_and_refused_layouts() -> None:
     assert any(e.candidate.tensor_parallel_size > 1 and e.candidate.expert_parallel_size > 1
                for e in without_sp.layouts)  # fmt: skip
     assert {e.candidate.expert_parallel_size for e in plan(**kwargs, expert_parallel_size=4).layouts} == {4}
-    assert {e.candidate.expert_parallel_size for e in plan(**kwargs, precision="bf16-true").layouts} == {1}
+    assert {e.candidate.expert_parallel_size for e in plan(**kwargs, precision="bf16-true").layouts} == {1, 2, 4, 8}
     dense = plan(layers=2, hidden=64, heads=4, nodes=1, device_memory=1)
     assert {e.candidate.expert_parallel_size for e in dense.layouts} == {1} and "a2a" not in dense.table()
     with pytest.raises(HybridConfigError, match=r"`expert_parallel_size=2`.*no mixture-of-experts layer"):
         plan(layers=2, hidden=64, heads=4, nodes=1, device_memory=1, expert_parallel_size=2)
     with pytest.raises(HybridConfigError, match=r"`expert_parallel_size=3`.*does not divide the 8 experts"):
         plan(**kwargs, expert_parallel_size=3)
-    with pytest.raises(HybridConfigError, match=r"'-true' precisions"):
-        plan(**kwargs, expert_parallel_size=2, precision="bf16-true")
 
 
 def test_the_command_fixes_expert_parallel(tmp_path) -> None:
@@ -515,7 +511,7 @@ EXPERT_STATE_SCENARIOS = {
     2: ["ep-mixtral-ep2"],
     4: ["ep-mixtral-ep4-zero1", "ep-qwen3_moe-ep2-dp4-zero1", "ep-qwen3_moe-ep2-dp4-zero3", "ep-mixtral-ep2-dp4-zero2",
         "ep-mixtral-ep2-tp2-zero1", "ep-qwen3_moe-ep2-tp2-zero3", "ep-deepseek_v3-ep2-pp2",
-        "ep-qwen2_moe-ep2-pp2-zero3"],
+        "ep-qwen2_moe-ep2-pp2-zero3", "ep-mixtral-ep2-dp4-zero1-bf16-true"],
     8: ["ep-mixtral-ep4-dp8-zero1", "ep-qwen3_moe-ep4-dp8-zero3"],
 }  # fmt: skip
 for _world, _names in EXPERT_STATE_SCENARIOS.items():

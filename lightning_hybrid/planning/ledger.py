@@ -232,7 +232,7 @@ def predict_model_state_bytes(
     low = precision in ("bf16-true", "16-true")
     structure = find_model_structure(module, transformer_blocks)
     plan = build_tensor_parallel_plan(module, structure, tensor_parallel_plan, vocab_parallel_loss=vocab_parallel_loss)
-    expert_names = _expert_names(module, ep, d, low)
+    expert_names = _expert_names(module, ep, d)
     if expert_names:
         plan.without(expert_names)  # the experts go to expert ranks, whole on each tensor rank
     styles = plan.styles if t > 1 else {}
@@ -285,7 +285,7 @@ def _has_submodule(module: nn.Module, name: str) -> bool:
     return True
 
 
-def _expert_names(module: nn.Module, ep: int, d: int, low: bool) -> list[str]:
+def _expert_names(module: nn.Module, ep: int, d: int) -> list[str]:
     """The experts modules expert parallel splits (none at ``ep=1``), refused as the strategy refuses them."""
     if ep == 1:
         return []
@@ -295,8 +295,6 @@ def _expert_names(module: nn.Module, ep: int, d: int, low: bool) -> list[str]:
     why = None
     if d % ep:
         why = f"it must divide the data-parallel size ({d})"
-    elif low:
-        why = "'-true' precisions do not run with expert parallel yet"
     elif refused or not found:
         why = f"{type(module).__name__} has no experts module expert parallel can dispatch ({refused or 'none'})"
     elif any(e.num_experts % ep for e in found):

@@ -159,8 +159,6 @@ def expert_refusal(spec: ModelSpec, setup: Setup, c: Candidate) -> Optional[str]
         return f"expert_parallel_size={ep} does not divide data_parallel_size={d}"
     if spec.experts % ep:
         return f"expert_parallel_size={ep} does not divide the {spec.experts} experts"
-    if setup.precision in ("bf16-true", "16-true"):
-        return f"expert_parallel_size={ep} does not run with '-true' precisions ({setup.precision})"
     if c.tensor_parallel_size > 1 and setup.sequence_parallel:
         return f"expert_parallel_size={ep} does not run with sequence_parallel=True (plan with sequence_parallel=False)"
     return None
