@@ -384,8 +384,8 @@ class HybridStrategy(ParallelStrategy):
             self.root_device,
         )
         self._optimizer_step = OptimizerStep(gradients, self.precision_plugin)
-        # Lightning's wrappers copied each optimizer's attributes when made: made again, they see what the ZeRO
-        # wrappers changed (a zero_grad that clears the model's gradients too, not only the masters')
+        # Lightning's wrappers subclass each optimizer's class when made: made again, they see the class the ZeRO
+        # wrappers gave it (a zero_grad that clears the model's gradients too, not only the masters')
         self.optimizers = self.optimizers
 
     @override

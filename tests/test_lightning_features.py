@@ -364,22 +364,7 @@ def test_refused_on_every_rank_before_training(shared_groups, case: dict[str, An
     assert errors[0].startswith("HybridConfigError"), errors[0]
 
 
-_MANUAL_CASES = [
-    pytest.param(
-        c,
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="known gap: at ZeRO-1 the second step's embedding"
-            " loss is 3.4e-5 relative off ddp's; cause not found yet (docs/lightning-features.md)",
-        ),
-    )  # fmt: skip
-    if c["strategy"].get("zero_stage", 1) != 3
-    else c
-    for c in MANUAL
-]
-
-
-@pytest.mark.parametrize("case", _MANUAL_CASES, ids=[c["name"] for c in MANUAL])
+@pytest.mark.parametrize("case", MANUAL, ids=[c["name"] for c in MANUAL])
 def test_manual_optimization_two_optimizers_equal_ddp(shared_groups, case: dict[str, Any]) -> None:
     """Manual optimization with two optimizers (``manual_backward`` twice a step, ``self.clip_gradients`` by norm and
     by value): the logged losses of every step and the weights equal ``"ddp"``'s."""

@@ -167,14 +167,17 @@ class ShardedOptimizer:
         low-precision parameters are left alone: under a pipeline, Lightning's ``zero_grad`` comes after the step's
         backward, which has already folded the gradients into them (a manual step with two optimizers in
         ``bf16-true`` is untested)."""
-        clear_masters = optimizer.zero_grad
+        base, model_parameters = type(optimizer), self.model_parameters
 
-        def zero_grad(set_to_none: bool = True) -> None:
-            clear_masters(set_to_none=set_to_none)
-            for p in self.model_parameters:
+        def zero_grad(wrapper: Optimizer, set_to_none: bool = True) -> None:
+            base.zero_grad(wrapper, set_to_none=set_to_none)  # the masters (a Lightning wrapper reads the groups here)
+            for p in model_parameters:
                 p.grad = None
 
-        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        # a method of the class, not of the instance: Lightning's LightningOptimizer subclasses the optimizer's class
+        # and finds zero_grad there, never on the instance (which left the first backward's gradients on the second
+        # optimizer's parameters in a manual step with two optimizers)
+        optimizer.__class__ = type(base.__name__, (base,), {"zero_grad": zero_grad, "__module__": base.__module__})
 
     @property
     def reduces_in_backward(self) -> bool:
