@@ -44,6 +44,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.page import write_section_between  # noqa: E402
+
 SECTION_BEGIN = "<!-- expert_parallel: begin (written by benchmarks/expert_parallel.py) -->"
 SECTION_END = "<!-- expert_parallel: end -->"
 INDEX_BYTES = 8  # the router's top-k indices and the counts are int64
@@ -275,16 +277,6 @@ def section(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_section(path: Path, text: str) -> None:
-    current = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_BEGIN in current and SECTION_END in current:
-        head, rest = current.split(SECTION_BEGIN, 1)
-        current = head + text.rstrip("\n") + rest.split(SECTION_END, 1)[1]
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    path.write_text(current if current.endswith("\n") else current + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one group, into --out-dir")
@@ -326,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "expert_parallel.json").write_text(json.dumps(results, indent=1))
     page = (args.out_dir / "benchmarks.md") if args.out_dir else ROOT / "docs" / "benchmarks.md"
-    _write_section(page, section(results))
+    write_section_between(page, SECTION_BEGIN, SECTION_END, section(results))
     print(section(results))
     return 0
 

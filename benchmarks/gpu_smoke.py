@@ -369,7 +369,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f" {_gib(memory['predicted_peak_bytes'])} ({memory['layout']})")  # fmt: skip
     print(f"pipeline of 2 on one device: {results['pipeline_two_processes'].get('backend_used', 'FAILED')}")
     if args.write_docs:
-        from benchmarks.run_all import write_section_between
+        from benchmarks.page import write_section_between
 
         write_section_between(ROOT / "docs" / "benchmarks.md", SECTION_BEGIN, SECTION_END, section)
     print(f"results: {args.out} ({results['wall_seconds']:.0f} s, part 1 {results['part_one_seconds']:.0f} s)")

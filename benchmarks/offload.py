@@ -31,6 +31,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.page import write_section_between  # noqa: E402
+
 SECTION_BEGIN = "<!-- offload: begin (written by benchmarks/offload.py) -->"
 SECTION_END = "<!-- offload: end -->"
 
@@ -195,13 +197,7 @@ def section(results: dict[str, Any]) -> str:
 
 
 def write_section(page: Path, text: str) -> None:
-    current = page.read_text() if page.exists() else "# Benchmarks\n"
-    if SECTION_BEGIN in current and SECTION_END in current:
-        head, rest = current.split(SECTION_BEGIN, 1)
-        current = head + text.rstrip("\n") + rest.split(SECTION_END, 1)[1]
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    page.write_text(current if current.endswith("\n") else current + "\n")
+    write_section_between(page, SECTION_BEGIN, SECTION_END, text)
 
 
 def _launch_fits(args: argparse.Namespace, argv: list[str] | None) -> list[dict[str, Any]] | None:

@@ -27,8 +27,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import compare, report  # noqa: E402
-from benchmarks.pipeline_bubble import BENCHMARKS_HEADER, _machine, _OtherLoad  # noqa: E402
+from benchmarks.page import write_section_between  # noqa: E402
 from benchmarks.pipeline_bubble import SECTION_BEGIN as BUBBLE_BEGIN  # noqa: E402
+from benchmarks.pipeline_bubble import _machine, _OtherLoad  # noqa: E402
 
 REAL = {"warmup": 1, "measured": 4, "rounds": 3}
 SMOKE = {"warmup": 0, "measured": 1, "rounds": 1}
@@ -101,21 +102,6 @@ def _deepspeed_version() -> Optional[str]:
         return version("deepspeed")
     except Exception:
         return None
-
-
-def write_section_between(path: Path, begin: str, end: str, text: str, *, before: Optional[str] = None) -> None:
-    """Replace the part of ``path`` between the markers ``begin`` and ``end`` by ``text`` (which carries the
-    markers); without them yet, insert ``text`` before the marker ``before`` or at the end."""
-    current = path.read_text() if path.exists() else BENCHMARKS_HEADER
-    if begin in current and end in current:
-        head, rest = current.split(begin, 1)
-        current = head + text.rstrip("\n") + rest.split(end, 1)[1]
-    elif before is not None and before in current:
-        head, rest = current.split(before, 1)
-        current = head + text + "\n" + before + rest
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    path.write_text(current if current.endswith("\n") else current + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
