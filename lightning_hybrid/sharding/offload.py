@@ -98,14 +98,16 @@ def check_offloadable(optimizer: Optimizer) -> bool:
         >>> check_offloadable(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), weight_decay=0.1))
         True
     """
-    name = type(optimizer).__name__
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+    # the user's class: ZeRO gives the optimizer a subclass of it whose zero_grad also clears the model's gradients
+    cls = getattr(type(optimizer), "_user_class", type(optimizer))
+    name = cls.__name__
+    if cls not in (torch.optim.Adam, torch.optim.AdamW):
         raise HybridConfigError(
             f"`offload_optimizer=True` steps the optimizer with DeepSpeed's DeepSpeedCPUAdam, which implements Adam"
             f" and AdamW only; `configure_optimizers` returned {name}. Return torch.optim.Adam or torch.optim.AdamW,"
             " or set `offload_optimizer=False`."
         )
-    is_adamw = type(optimizer) is torch.optim.AdamW
+    is_adamw = cls is torch.optim.AdamW
     # Adam(decoupled_weight_decay=True) is AdamW (torch >= 2.6); AdamW always decouples
     decoupled = {is_adamw or bool(g.get("decoupled_weight_decay", False)) for g in optimizer.param_groups}
     if len(decoupled) > 1:

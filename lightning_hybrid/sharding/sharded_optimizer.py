@@ -167,7 +167,8 @@ class ShardedOptimizer:
         low-precision parameters are left alone: under a pipeline, Lightning's ``zero_grad`` comes after the step's
         backward, which has already folded the gradients into them (a manual step with two optimizers in
         ``bf16-true`` is untested)."""
-        base, model_parameters = type(optimizer), self.model_parameters
+        # the user's class, also when a second fit wraps the same optimizer again
+        base, model_parameters = getattr(type(optimizer), "_user_class", type(optimizer)), self.model_parameters
 
         def zero_grad(wrapper: Optimizer, set_to_none: bool = True) -> None:
             base.zero_grad(wrapper, set_to_none=set_to_none)  # the masters (a Lightning wrapper reads the groups here)
@@ -177,7 +178,9 @@ class ShardedOptimizer:
         # a method of the class, not of the instance: Lightning's LightningOptimizer subclasses the optimizer's class
         # and finds zero_grad there, never on the instance (which left the first backward's gradients on the second
         # optimizer's parameters in a manual step with two optimizers)
-        optimizer.__class__ = type(base.__name__, (base,), {"zero_grad": zero_grad, "__module__": base.__module__})
+        # (``_user_class``: what the user returned, for checks that want that class exactly)
+        methods = {"zero_grad": zero_grad, "__module__": base.__module__, "_user_class": base}
+        optimizer.__class__ = type(base.__name__, (base,), methods)
 
     @property
     def reduces_in_backward(self) -> bool:
