@@ -21,8 +21,10 @@ from lightning_hybrid.tensor_parallel.discover import check_block_plan, discover
 from lightning_hybrid.tensor_parallel.styles import (
     FusedColwiseParallel,
     GradientSum,
+    RopeGradientSumParallel,
     is_projection,
     parameter_placement,
+    projection_features,
     region_role,
     split_style,
     style_from_name,
@@ -310,7 +312,8 @@ def _full_width_modules(plan: TensorParallelPlan, region: nn.Module, region_name
     """Modules under a split region's module whose own parameters are all vectors of the width its column-wise
     layers read (a layer norm before ``fc1``): a norm of that width cannot run on a rank's shard of the split, so it
     runs on the replicated hidden state and each rank computes its whole gradient. Per-head norms (Qwen3's q/k
-    norms, of the head width) stay inside the split."""
+    norms, of the head width) stay inside the split. So do replicated projections whose output is that width, and
+    multi-head latent attention's ``kv_a_proj_with_mqa`` (:class:`RopeGradientSumParallel`)."""
     prefix = f"{region_name}." if region_name else ""
     widths = {
         getattr(region.get_submodule(n[len(prefix) :]), "in_features", None)
@@ -321,11 +324,24 @@ def _full_width_modules(plan: TensorParallelPlan, region: nn.Module, region_name
     for name, module in region.named_modules():
         own = list(module.parameters(recurse=False))
         full = prefix + name
+        if isinstance(plan.styles.get(full), RopeGradientSumParallel):
+            found.add(full)  # its style makes the one partial part of its gradient whole
+            continue
         if not name or not own or full in plan.styles or full in plan.gradient_sum_modules:
             continue
         if all(p.dim() == 1 and p.numel() in widths for p in own):
             found.add(full)
+        elif is_projection(module) and _low_rank_into(projection_features(module), widths):
+            # a replicated low-rank projection into a column-wise one (DeepSeek's q_a_proj before q_b_proj): the
+            # split layer sums its input's gradient over the tensor ranks, so this layer's gradient is whole
+            found.add(full)
     return found
+
+
+def _low_rank_into(features: tuple[int, int], widths: set[Optional[int]]) -> bool:
+    """A projection that narrows its input to the width a column-wise layer reads (``in -> rank``, ``rank < in``)."""
+    width_in, width_out = features
+    return width_out in widths and width_out < width_in
 
 
 def _pattern_plan(
@@ -374,7 +390,7 @@ def _pattern_plan(
         if isinstance(style, ParallelStyle):
             plan.styles[name] = style
             continue
-        translated = style_from_name(style, name, modules[name], placements.get(name))
+        translated = style_from_name(style, name, modules[name], placements.get(name), _rope_dim(modules, name))
         if isinstance(translated, GradientSum):
             plan.gradient_sum_modules.add(name)
         elif translated is not None:
@@ -392,6 +408,17 @@ def _pattern_plan(
             if name == structure.output_head_name:
                 plan.vocab_parallel_head = vocab.vocab_parallel_head
     return plan
+
+
+def _rope_dim(modules: dict[str, nn.Module], name: str) -> Optional[int]:
+    """The rotary key features of the attention holding ``name`` (multi-head latent attention's
+    ``qk_rope_head_dim``, an attribute of transformers' attention modules and of their configs), or None."""
+    parent = modules.get(name.rpartition(".")[0])
+    for holder in (parent, getattr(parent, "config", None)):
+        value = getattr(holder, "qk_rope_head_dim", None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def _hugging_face_plan(root: nn.Module, structure: ModelStructure) -> Optional[dict[str, str]]:

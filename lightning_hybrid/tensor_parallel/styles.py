@@ -35,6 +35,7 @@ __all__ = [
     "FusedColwiseParallel",
     "GradientSum",
     "LocalShardParallel",
+    "RopeGradientSumParallel",
     "ScaleInputParallel",
     "is_conv1d",
     "is_projection",
@@ -277,6 +278,38 @@ class ScaleInputParallel(ParallelStyle):
         return module
 
 
+class RopeGradientSumParallel(ParallelStyle):
+    """Multi-head latent attention's ``kv_a_proj_with_mqa`` (DeepSeek-V2/V3; transformers' ``mla_kv_a_proj``): the
+    layer stays replicated, and the gradient of the last ``rope_dim`` output features is summed over the
+    tensor-parallel ranks in backward. Those features (the keys' rotary part) go straight to attention, shared by every
+    head, so each rank's backward holds only its own heads' share; the other features pass through the column-wise
+    ``kv_b_proj``, whose input gradient torch already sums. Written here because torch has no style that reduces part
+    of an output's gradient.
+
+    Example:
+        >>> RopeGradientSumParallel(rope_dim=64).rope_dim
+        64
+    """
+
+    def __init__(self, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        rope_dim = self.rope_dim
+
+        def sum_rope_gradient(mod: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+            passed, rope = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
+            # identity forward; backward: the local gradient read as a partial sum and made whole (an all-reduce)
+            rope = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()]
+            )
+            return torch.cat([passed, rope], dim=-1)
+
+        module.register_forward_hook(sum_rope_gradient)
+        return module
+
+
 class GradientSum:
     """Marks a module whose replicated parameters see only this rank's share of a split (transformers'
     ``replicated_with_grad_allreduce``, e.g. Qwen3's per-head ``q_norm``): their gradients are summed over the
@@ -287,20 +320,24 @@ class GradientSum:
 # transformers 5's style names (`transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES`) that are refused, and
 # why: each names what the user can do instead
 REFUSED_STYLES = {
-    "mla_kv_a_proj": "DeepSeek-style multi-head latent attention (the rope part of kv_a_proj_with_mqa bypasses the"
-    " column-wise kv_b_proj) is not supported yet; leave the attention replicated (drop its entries) or write the"
-    " plan in `configure_model`",
-    "grouped_gemm": "it is an expert-parallel style (experts spread over ranks); lightning-hybrid has no"
-    " expert-parallel dimension: split the experts with 'moe_tp_experts' and 'packed_colwise'/'rowwise' on their"
-    " weights, or train them data parallel",
-    "ep_dispatch_experts": "it is an expert-parallel style (token dispatch to experts on other ranks); lightning-hybrid"
-    " has no expert-parallel dimension: split the experts with 'moe_tp_experts', or train them data parallel",
+    "grouped_gemm": "it is an expert-parallel style (experts spread over ranks), not a tensor-parallel one: spread the"
+    " experts with `expert_parallel_size`, or split them over the tensor ranks with 'moe_tp_experts' and"
+    " 'packed_colwise'/'rowwise' on their weights",
+    "ep_dispatch_experts": "it is an expert-parallel style (token dispatch to experts on other ranks), not a"
+    " tensor-parallel one: spread the experts with `expert_parallel_size`, or split them with 'moe_tp_experts'",
 }
 
 
-def style_from_name(style: str, name: str, module: nn.Module, placements: Optional[dict[str, Placement]] = None) -> Any:
+def style_from_name(
+    style: str,
+    name: str,
+    module: nn.Module,
+    placements: Optional[dict[str, Placement]] = None,
+    rope_dim: Optional[int] = None,
+) -> Any:
     """The torch style for a plan entry naming a *module*: a ``ParallelStyle``, :class:`GradientSum`, or ``None``
-    (the module stays replicated). ``placements`` are the module's own parameters sharded by parameter entries.
+    (the module stays replicated). ``placements`` are the module's own parameters sharded by parameter entries;
+    ``rope_dim``: the rotary key features of a multi-head latent attention's ``kv_a_proj_with_mqa`` (``mla_kv_a_proj``).
 
     Example:
         >>> from torch import nn
@@ -313,7 +350,18 @@ def style_from_name(style: str, name: str, module: nn.Module, placements: Option
             f"`tensor_parallel_plan` shards parameters of {name!r} ({', '.join(placements)}) but gives the module"
             f" the style {style!r}: a module whose own parameters are split needs 'local_params' or 'moe_tp_experts'."
         )
+    # transformers' per-head splits (5.25), which replicate heads when there are fewer than ranks: the plan's head-count
+    # check refuses that case, and with whole heads on every rank they are the plain column- and row-wise splits
+    style = {"unit_colwise": "colwise", "unit_rowwise": "rowwise"}.get(style, style)
     linear, embedding = is_projection(module), isinstance(module, nn.Embedding)
+    if style == "mla_kv_a_proj":
+        if rope_dim is None:
+            raise HybridConfigError(
+                f"`tensor_parallel_plan` gives {name!r} the style 'mla_kv_a_proj', but its attention module has no"
+                " `qk_rope_head_dim` (nor a config with one): the number of rotary key features whose gradient is"
+                " summed over the tensor ranks is unknown. Leave the attention replicated (drop its entries)."
+            )
+        return RopeGradientSumParallel(rope_dim)
     if style in ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_split_input", "rowwise_rep"):
         if not (linear or embedding):
             raise HybridConfigError(
@@ -392,7 +440,8 @@ KNOWN_STYLES = {
     "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_split_input", "rowwise_rep",
     "embedding_rowwise", "vocab_parallel_embedding", "embedding_colwise", "packed_colwise", "packed_rowwise",
     "sequence_parallel", "all_reduce", "local_params", "moe_tp_experts", "moe_identity_expert",
-    "replicated_with_grad_allreduce", "replicate", "fused_colwise_<k>", *REFUSED_STYLES,
+    "replicated_with_grad_allreduce", "replicate", "fused_colwise_<k>", "unit_colwise", "unit_rowwise",
+    "mla_kv_a_proj", *REFUSED_STYLES,
 }  # fmt: skip
 
 
