@@ -44,8 +44,12 @@ CASES = [
     _case("qwen2_moe", TP2),
     # transformers 5.25 gives Falcon's config `num_key_value_heads` (1, multi-query): refused by the head count, before
     # the forward; earlier releases, in the forward
-    _case("falcon", TP2, r"HybridConfigError: `tensor_parallel_size=2` (does not divide config.num_key_value_heads=1"
-          r"|: the forward failed in `model.transformer.h.0.self_attention` \(FalconAttention\))"),
+    _case(
+        "falcon",
+        TP2,
+        r"HybridConfigError: `tensor_parallel_size=2` (does not divide config.num_key_value_heads=1"
+        r"|: the forward failed in `model.transformer.h.0.self_attention` \(FalconAttention\))",
+    ),
     # multi-head latent attention (transformers 5.25 names kv_a_proj_with_mqa 'mla_kv_a_proj'): its rotary keys'
     # gradient summed over the tensor ranks
     _case("deepseek_v3", TP2),
