@@ -15,7 +15,8 @@ from unittest import mock
 import pytest
 import yaml
 
-from tests.conftest import assert_clean_exit, console_script
+from tests.cli_runs import cli_scenario
+from tests.conftest import assert_clean_exit, console_script, share
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +55,8 @@ def test_quickstart_config_trains_in_3d_on_8_processes(tmp_path: Path) -> None:
 CONFIGS = sorted(p.name for p in (ROOT / "cli_configs").glob("*.yaml"))
 # the configs that run on CPU, each trained for a few steps below (the quick start above, on 8 processes)
 CPU_CONFIGS = {"hf_llama.yaml": 4, "fp16_loss_scaling.yaml": 4, "zero3.yaml": 4}
+for _name, _devices in CPU_CONFIGS.items():
+    share(_devices, [cli_scenario(_name, _devices)])
 
 _PRINT_ALL = """
 import contextlib, io, json, sys
@@ -94,31 +97,29 @@ def test_every_shipped_config_parses_and_its_layout_fits_its_devices() -> None:
         assert any("HybridMonitor" in c["class_path"] for c in trainer.get("callbacks") or []), name
 
 
-@pytest.mark.timeout(1300)
-def test_cpu_configs_train_a_few_steps_with_their_layout(tmp_path: Path) -> None:
-    for name, devices in CPU_CONFIGS.items():
-        config = yaml.safe_load((ROOT / "cli_configs" / name).read_text())
-        assert config["trainer"]["accelerator"] == "cpu" and config["trainer"]["devices"] == devices
-        root = tmp_path / name
-        overrides = ["--trainer.max_steps=2", "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={root}",
-                     "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
-                     "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-                     f"--trainer.logger.init_args.save_dir={root}"]  # fmt: skip
-        proc = _cli("fit", "--config", f"cli_configs/{name}", *overrides, timeout=420)
-        log = proc.stdout + proc.stderr
-        assert_clean_exit(proc)
-        strategy = config["trainer"]["strategy"]["init_args"]
-        tp, pp = strategy.get("tensor_parallel_size", 1), strategy.get("pipeline_parallel_size", 1)
-        assert f"tp={tp}  pp={pp}  dp={devices // (tp * pp)}  zero_stage={strategy['zero_stage']}" in log, log[-3000:]
-        steps = [line for line in log.splitlines() if line.startswith("step ") and " | loss " in line]
-        assert len(steps) == 2, (name, log[-3000:])  # the monitor's console line, at steps 1 and 2 (rank 0 only)
-        saved = yaml.safe_load(next(root.rglob("config.yaml")).read_text())
-        assert saved["trainer"]["max_steps"] == 2
-        metrics = next(root.rglob("metrics.csv")).read_text()
-        assert "train/loss" in metrics and "throughput/tokens_per_s" in metrics, metrics[:500]
-        if name == "fp16_loss_scaling.yaml":  # the scaler is on: its scale (2^16 at the start, 1 without one)
-            rows = [r for r in csv.DictReader(io.StringIO(metrics)) if r.get("train/loss_scale")]
-            assert len(rows) == 2 and all(2.0**14 <= float(r["train/loss_scale"]) <= 2.0**16 for r in rows), rows
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("name", sorted(CPU_CONFIGS))
+def test_cpu_configs_train_a_few_steps_with_their_layout(shared_groups, name: str) -> None:
+    """Each CPU config, two steps through the command's LightningCLI in the shared launch of its size
+    (tests/cli_runs.py): the start-up table, the monitor's console line at each step, the saved config and the
+    CSV metrics."""
+    devices = CPU_CONFIGS[name]
+    config = yaml.safe_load((ROOT / "cli_configs" / name).read_text())
+    assert config["trainer"]["accelerator"] == "cpu" and config["trainer"]["devices"] == devices
+    result = shared_groups(devices).get(cli_scenario(name, devices)["name"])
+    log, root = result["log"], Path(result["root"])
+    strategy = config["trainer"]["strategy"]["init_args"]
+    tp, pp = strategy.get("tensor_parallel_size", 1), strategy.get("pipeline_parallel_size", 1)
+    assert f"tp={tp}  pp={pp}  dp={devices // (tp * pp)}  zero_stage={strategy['zero_stage']}" in log, log[-3000:]
+    steps = [line for line in log.splitlines() if line.startswith("step ") and " | loss " in line]
+    assert len(steps) == 2, (name, log[-3000:])  # the monitor's console line, at steps 1 and 2 (rank 0 only)
+    saved = yaml.safe_load(next(root.rglob("config.yaml")).read_text())
+    assert saved["trainer"]["max_steps"] == 2
+    metrics = next(root.rglob("metrics.csv")).read_text()
+    assert "train/loss" in metrics and "throughput/tokens_per_s" in metrics, metrics[:500]
+    if name == "fp16_loss_scaling.yaml":  # the scaler is on: its scale (2^16 at the start, 1 without one)
+        rows = [r for r in csv.DictReader(io.StringIO(metrics)) if r.get("train/loss_scale")]
+        assert len(rows) == 2 and all(2.0**14 <= float(r["train/loss_scale"]) <= 2.0**16 for r in rows), rows
 
 
 # ---------------------------------------------------------------- the strategy's typed sections in YAML, parsed only

@@ -387,6 +387,10 @@ def main() -> None:
                 from tests.deepspeed_source import record
 
                 record(scenario, out_dir)
+            elif scenario.get("runner") == "cli":  # a shipped YAML through the command's LightningCLI
+                from tests.cli_runs import run as run_cli
+
+                run_cli(scenario, out_dir)
             elif str(scenario.get("runner", "")).startswith("feature"):  # tests/features.py
                 from tests.features import RUNNERS
 

@@ -1,0 +1,68 @@
+"""A shipped YAML trained through ``lightning_hybrid.cli.main`` inside a shared launch (tests/worker.py): the same
+LightningCLI, strategy and module as ``lightning-hybrid fit --config``, without starting processes of its own.
+The installed command itself, with its own processes, is run by tests/test_cli.py's quick start."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_scenario(config: str, world: int) -> dict[str, Any]:
+    """Two steps of ``cli_configs/<config>`` with a CSV logger, nothing else changed."""
+    return {"name": f"cli-{Path(config).stem}", "runner": "cli", "config": config, "world": world}
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """The process's stdout and stderr into ``path``, at the file-descriptor level: Lightning's logging handlers
+    hold the streams they found at import, so replacing ``sys.stdout`` would miss them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def run(scenario: dict[str, Any], out_dir: Path) -> None:
+    from lightning_hybrid.cli import main
+
+    root = out_dir / scenario["name"]
+    rank = int(os.environ["RANK"])
+    log = out_dir / f"{scenario['name']}.rank{rank}.log"
+    overrides = [
+        "--trainer.max_steps=2", "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={root}",
+        "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={root}",
+    ]  # fmt: skip
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # class paths in the configs (examples.*) resolve from the repository root, as for a user there
+    try:
+        with _output_to(log):
+            status = main(["fit", "--config", str(ROOT / "cli_configs" / scenario["config"]), *overrides])
+    except SystemExit as exit_:  # the CLI's parser exits on a bad config: a failed scenario, not a dead rank
+        status = exit_.code
+    finally:
+        os.chdir(cwd)
+    if status:
+        raise RuntimeError(f"lightning_hybrid.cli.main returned {status}:\n{log.read_text()[-3000:]}")
+    if rank == 0:
+        torch.save({"log": log.read_text(), "root": str(root)}, out_dir / f"{scenario['name']}.pt")
