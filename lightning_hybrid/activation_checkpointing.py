@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["apply_activation_checkpointing"]
+
+
+def _is_key_value_cache(value: Any) -> bool:
+    """transformers' ``Cache`` (``DynamicCache``, ...), told by its interface so transformers need not be imported."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
+def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The block's keyword arguments with no key/value cache (transformers 5.25 passes it as ``cache``, earlier
+    releases as ``past_key_values``): transformers builds one whenever ``config.use_cache``, in training too, and the
+    recomputed block would append its keys to it a second time (measured: the recompute attended over twice the keys
+    and sliced them back). transformers' own gradient checkpointing turns the cache off in the same way."""
+    if not any(_is_key_value_cache(v) for v in kwargs.values()):
+        return kwargs
+    return {k: (None if _is_key_value_cache(v) else v) for k, v in kwargs.items()}
 
 
 def apply_activation_checkpointing(root: nn.Module, block_names: list[str]) -> None:
@@ -28,6 +45,8 @@ def apply_activation_checkpointing(root: nn.Module, block_names: list[str]) -> N
 
         @functools.wraps(forward)
         def checkpointed(*args, _forward=forward, **kwargs):  # type: ignore[no-untyped-def]
+            if torch.is_grad_enabled():
+                kwargs = _without_cache(kwargs)
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         block.forward = checkpointed  # type: ignore[method-assign]

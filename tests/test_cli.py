@@ -55,6 +55,8 @@ def test_quickstart_config_trains_in_3d_on_8_processes(tmp_path: Path) -> None:
 CONFIGS = sorted(p.name for p in (ROOT / "cli_configs").glob("*.yaml"))
 # the configs that run on CPU, each trained for a few steps below (the quick start above, on 8 processes)
 CPU_CONFIGS = {"hf_llama.yaml": 4, "fp16_loss_scaling.yaml": 4, "zero3.yaml": 4}
+# each as a scenario of the shared launch of its size, named after the config (`--scenarios cli-zero3`)
+CLI_RUNS = {cli_scenario(n, d)["name"]: (n, d) for n, d in CPU_CONFIGS.items()}
 for _name, _devices in CPU_CONFIGS.items():
     share(_devices, [cli_scenario(_name, _devices)])
 
@@ -98,15 +100,15 @@ def test_every_shipped_config_parses_and_its_layout_fits_its_devices() -> None:
 
 
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("name", sorted(CPU_CONFIGS))
-def test_cpu_configs_train_a_few_steps_with_their_layout(shared_groups, name: str) -> None:
+@pytest.mark.parametrize("scenario", sorted(CLI_RUNS))
+def test_cpu_configs_train_a_few_steps_with_their_layout(shared_groups, scenario: str) -> None:
     """Each CPU config, two steps through the command's LightningCLI in the shared launch of its size
     (tests/cli_runs.py): the start-up table, the monitor's console line at each step, the saved config and the
     CSV metrics."""
-    devices = CPU_CONFIGS[name]
+    name, devices = CLI_RUNS[scenario]
     config = yaml.safe_load((ROOT / "cli_configs" / name).read_text())
     assert config["trainer"]["accelerator"] == "cpu" and config["trainer"]["devices"] == devices
-    result = shared_groups(devices).get(cli_scenario(name, devices)["name"])
+    result = shared_groups(devices).get(scenario)
     log, root = result["log"], Path(result["root"])
     strategy = config["trainer"]["strategy"]["init_args"]
     tp, pp = strategy.get("tensor_parallel_size", 1), strategy.get("pipeline_parallel_size", 1)

@@ -698,3 +698,33 @@ def test_token_embedding_is_the_one_the_head_predicts():
     module = nanogpt(block_size=256)  # wpe has 256 rows, the vocabulary 128
     structure = find_model_structure(module)
     assert (structure.token_embedding_name, structure.output_head_name) == ("model.wte", "model.lm_head")
+
+
+def test_checkpointed_blocks_run_without_the_key_value_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers builds a key/value cache in training too (config.use_cache): a checkpointed block gets none, so
+    its recomputation appends no keys a second time; gradients stay those of the plain model, bit for bit."""
+    import copy
+
+    from transformers import cache_utils
+
+    from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing
+    from lightning_hybrid.structure import find_model_structure
+    from tests.harness import build_module
+
+    updates = []
+    update = cache_utils.DynamicCache.update
+    monkeypatch.setattr(
+        cache_utils.DynamicCache, "update", lambda self, *a, **k: updates.append(1) or update(self, *a, **k)
+    )
+    torch.manual_seed(0)
+    plain = build_module("llama")
+    checkpointed = copy.deepcopy(plain)
+    apply_activation_checkpointing(checkpointed, find_model_structure(checkpointed).block_names())
+    batch = (torch.randint(0, 16, (2, 16)), torch.randint(0, 16, (2, 16)))
+    plain._loss(batch).backward()
+    layers = len(updates)
+    assert layers == find_model_structure(plain).num_blocks  # the plain model does update it, once per layer
+    checkpointed._loss(batch).backward()
+    assert len(updates) == layers, "a checkpointed block updated the cache"
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        assert torch.equal(a.grad, b.grad)
