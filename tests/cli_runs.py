@@ -1,6 +1,7 @@
 """A shipped YAML trained through ``lightning_hybrid.cli.main`` inside a shared launch (tests/worker.py): the same
 LightningCLI, strategy and module as ``lightning-hybrid fit --config``, without starting processes of its own.
-The installed command itself, with its own processes, is run by tests/test_cli.py's quick start."""
+The installed command itself, with the ranks Lightning launches, is run by tests/test_monitoring.py (a user's YAML
+with a W&B logger at pp=2) and tests/test_teardown.py."""
 
 from __future__ import annotations
 
@@ -9,16 +10,26 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli_scenario(config: str, world: int) -> dict[str, Any]:
-    """Two steps of ``cli_configs/<config>`` with a CSV logger, nothing else changed."""
-    return {"name": f"cli-{Path(config).stem}", "runner": "cli", "config": config, "world": world}
+# two steps with a CSV logger ("{root}": the scenario's own directory)
+TWO_STEPS_CSV = [
+    "--trainer.max_steps=2", "--trainer.log_every_n_steps=1", "--trainer.num_sanity_val_steps=0",
+    "--trainer.limit_val_batches=0", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+    "--trainer.logger.init_args.save_dir={root}",
+]  # fmt: skip
+
+
+def cli_scenario(config: str, world: int, overrides: Optional[list[str]] = None) -> dict[str, Any]:
+    """``cli_configs/<config>`` with these command-line ``overrides`` (default: two steps with a CSV logger), its
+    ``default_root_dir`` the scenario's directory."""
+    return {"name": f"cli-{Path(config).stem}", "runner": "cli", "config": config, "world": world,
+            "overrides": TWO_STEPS_CSV if overrides is None else overrides}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -48,11 +59,7 @@ def run(scenario: dict[str, Any], out_dir: Path) -> None:
     root = out_dir / scenario["name"]
     rank = int(os.environ["RANK"])
     log = out_dir / f"{scenario['name']}.rank{rank}.log"
-    overrides = [
-        "--trainer.max_steps=2", "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={root}",
-        "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={root}",
-    ]  # fmt: skip
+    overrides = [f"--trainer.default_root_dir={root}", *(o.format(root=root) for o in scenario["overrides"])]
     cwd = os.getcwd()
     os.chdir(ROOT)  # class paths in the configs (examples.*) resolve from the repository root, as for a user there
     try:

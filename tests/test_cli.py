@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.cli_runs import cli_scenario
-from tests.conftest import assert_clean_exit, console_script, share
+from tests.conftest import console_script, share
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,20 +36,22 @@ def test_print_config_applies_command_line_overrides() -> None:
     assert strategy["init_args"]["zero_stage"] == 3 and strategy["init_args"]["pipeline_schedule"] == "gpipe"
 
 
-@pytest.mark.timeout(600)
-def test_quickstart_config_trains_in_3d_on_8_processes(tmp_path: Path) -> None:
-    config = str(ROOT / "cli_configs/cpu_quickstart.yaml")
-    overrides = [
-        "--trainer.max_steps=3",
-        f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.strategy.init_args.zero_stage=2",
-    ]
-    proc = _cli("fit", "--config", config, *overrides, timeout=540)
-    assert_clean_exit(proc)  # a shell `&&`, CI job or scheduler sees the finished run as a success
-    log = proc.stdout + proc.stderr
+# the quick start with a layout override, through the command's LightningCLI in the shared 8-process launch (the
+# installed command's own multi-process start is tests/test_monitoring.py's user YAML, at pp=2)
+QUICKSTART = cli_scenario(
+    "cpu_quickstart.yaml", 8, ["--trainer.max_steps=3", "--trainer.strategy.init_args.zero_stage=2"]
+)
+share(8, [QUICKSTART])
+
+
+@pytest.mark.timeout(2400)
+def test_quickstart_config_trains_in_3d_on_8_processes(shared_groups) -> None:
+    result = shared_groups(8).get(QUICKSTART["name"])
+    log, root = result["log"], Path(result["root"])
     assert "tp=2  pp=2  dp=2  zero_stage=2" in log, log[-3000:]
-    saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
+    saved = yaml.safe_load(next(root.rglob("config.yaml")).read_text())
     assert saved["trainer"]["strategy"]["init_args"]["zero_stage"] == 2  # the override reached the run's config
+    assert saved["trainer"]["max_steps"] == 3
 
 
 CONFIGS = sorted(p.name for p in (ROOT / "cli_configs").glob("*.yaml"))
