@@ -390,7 +390,8 @@ def _pattern_plan(
         if isinstance(style, ParallelStyle):
             plan.styles[name] = style
             continue
-        translated = style_from_name(style, name, modules[name], placements.get(name), _rope_dim(modules, name))
+        rope_dim = _rope_dim(modules, name) if style == "mla_kv_a_proj" else None
+        translated = style_from_name(style, name, modules[name], placements.get(name), rope_dim)
         if isinstance(translated, GradientSum):
             plan.gradient_sum_modules.add(name)
         elif translated is not None:

@@ -209,6 +209,12 @@ def _local_linear_forward(self: nn.Module, input: Any) -> Tensor:
     return F.linear(input, weight, bias)
 
 
+def _gradient_summed_over(x: Tensor, device_mesh: Any) -> Tensor:
+    """``x`` unchanged in forward; in backward its gradient, each rank's share only, is summed over ``device_mesh``
+    (read as a partial sum and made whole: an all-reduce)."""
+    return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
 class LocalShardParallel(ParallelStyle):
     """A module that computes on the local shards of its parameters: transformers' ``local_params`` and, with
     ``sum_output=True``, ``moe_tp_experts`` (each rank runs its slice of every expert's hidden size; the partial outputs
@@ -238,9 +244,7 @@ class LocalShardParallel(ParallelStyle):
         def partial_gradient(x: Any) -> Any:
             # replicated in, but each rank's backward sees only its shard's share: sum the gradient over the ranks
             if isinstance(x, Tensor) and not isinstance(x, DTensor) and x.is_floating_point():
-                return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
-                    grad_placements=[Partial()]
-                )
+                return _gradient_summed_over(x, device_mesh)
             return x
 
         def summed(x: Any) -> Any:
@@ -300,11 +304,7 @@ class RopeGradientSumParallel(ParallelStyle):
 
         def sum_rope_gradient(mod: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
             passed, rope = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
-            # identity forward; backward: the local gradient read as a partial sum and made whole (an all-reduce)
-            rope = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False).to_local(
-                grad_placements=[Partial()]
-            )
-            return torch.cat([passed, rope], dim=-1)
+            return torch.cat([passed, _gradient_summed_over(rope, device_mesh)], dim=-1)
 
         module.register_forward_hook(sum_rope_gradient)
         return module
