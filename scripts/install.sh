@@ -32,6 +32,12 @@ PY
 pip_install() {
     "$PYTHON" -m pip install --no-input --progress-bar off "$@"
 }
+# Offline first: when every requirement is installed already (CI on a machine it ran on before, a developer running
+# the script again) pip resolves them from the environment and the build backend installed, without reading the index
+# for each of ~60 packages (100 s here for an install that changed nothing); anything missing, and it goes online.
+pip_install_offline_first() {
+    pip_install --no-index --no-build-isolation "$@" >/dev/null 2>&1 || pip_install "$@"
+}
 
 if installed=$("$PYTHON" -c "import torch; print(torch.__version__)" 2>/dev/null); then
     echo "install.sh: keeping the installed torch $installed"
@@ -49,25 +55,50 @@ fi
 # DeepSpeed (test and bench extras) builds from source; its C++ ops are compiled on first use instead (DS_BUILD_OPS=0)
 export DS_BUILD_OPS="${DS_BUILD_OPS:-0}"
 if [[ -n "$EXTRAS" ]]; then
-    pip_install -e ".[$EXTRAS]"
+    pip_install_offline_first -e ".[$EXTRAS]"
 else
-    pip_install -e .
+    pip_install_offline_first -e .
 fi
 if [[ ",$EXTRAS," =~ ,test, ]]; then
     # litgpt (the tests train its GPT unchanged) without its dependencies: it pins huggingface-hub<1.4, which
     # transformers 5 (>=1.31) excludes, and psutil; what its GPT and Config need is installed already
-    pip_install --no-deps "litgpt==0.5.13"
+    pip_install_offline_first --no-deps "litgpt==0.5.13"
 fi
+# DeepSpeed's ops, built here once (cached in ~/.cache/torch_extensions) rather than inside the first training run or
+# test session, in the one interpreter that then prints the versions (each start imports torch and DeepSpeed again):
+# * on CPU its shared-memory all-reduce op, compiled the first time a process group starts (~1.5 min);
+# * the CPU Adam op offload_optimizer=True steps with (~1 min).
+BUILD_SHM_OP=0 BUILD_CPU_ADAM=0
 if [[ ",$EXTRAS," =~ ,(test|bench), ]] && ! command -v nvidia-smi >/dev/null 2>&1; then
-    # On CPU DeepSpeed compiles its shared-memory all-reduce op the first time a process group starts (~1.5 min,
-    # cached in ~/.cache/torch_extensions): build it here, so that the first benchmark does not pay for it.
     echo "install.sh: building DeepSpeed's CPU communication op (once; cached)"
-    DS_ACCELERATOR=cpu "$PYTHON" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
+    BUILD_SHM_OP=1
 fi
 if [[ ",$EXTRAS," =~ ,(test|bench|deepspeed), ]]; then
-    # offload_optimizer=True steps with DeepSpeed's CPU Adam op, also compiled on first use (~1 min, cached in
-    # ~/.cache/torch_extensions): build it here once rather than inside the first training run (or test session)
     echo "install.sh: building DeepSpeed's CPU Adam op (once; cached)"
-    "$PYTHON" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" >/dev/null
+    BUILD_CPU_ADAM=1
 fi
-"$PYTHON" -c "import torch, lightning, lightning_hybrid; print(f'install.sh: torch {torch.__version__}, lightning {lightning.__version__}, lightning-hybrid {lightning_hybrid.__version__}')"
+BUILD_SHM_OP=$BUILD_SHM_OP BUILD_CPU_ADAM=$BUILD_CPU_ADAM "$PYTHON" - <<'PY'
+import os
+
+stdout = os.dup(1)
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the builders' compiler output, theirs and their subprocesses'
+try:
+    if os.environ["BUILD_SHM_OP"] == "1":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()
+    if os.environ["BUILD_CPU_ADAM"] == "1":
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load(verbose=False)
+finally:
+    os.dup2(stdout, 1)
+
+import lightning
+import torch
+
+import lightning_hybrid
+
+print(f"install.sh: torch {torch.__version__}, lightning {lightning.__version__}, lightning-hybrid {lightning_hybrid.__version__}")
+PY

@@ -10,7 +10,7 @@ import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -54,14 +54,23 @@ def assert_clean_exit(proc: subprocess.CompletedProcess) -> None:
 
 
 def launch(
-    world: int, scenarios: list[dict[str, Any]], out_dir: Path, timeout: float, niceness: int = 0
+    world: int,
+    scenarios: list[dict[str, Any]],
+    out_dir: Path,
+    timeout: float,
+    niceness: int = 0,
+    environ: Optional[dict[str, str]] = None,
 ) -> LaunchResult:
     """Run ``scenarios`` in one ``torchrun`` group of ``world`` CPU processes, with a hard timeout (``niceness``: the
-    group's scheduling priority below this process's, for a launch running behind other tests)."""
+    group's scheduling priority below this process's, for a launch running behind other tests; ``environ``: the
+    group's environment, this process's by default). A test that needs a variable in its group passes it here:
+    setting it in ``os.environ`` would also reach a shared launch starting meanwhile in the background (a kill-in-save
+    variable set that way SIGKILLed a rank of the 8-process launch, and 86 tests failed with it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "spec.json"
     spec.write_text(json.dumps(scenarios))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    environ = dict(os.environ if environ is None else environ)
+    env = {**environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--standalone",
            str(ROOT / "tests" / "worker.py"), str(spec), str(out_dir)]  # fmt: skip
     # a session of its own: a timeout or the end of the test session kills the agent and its ranks together
@@ -214,6 +223,9 @@ class _BackgroundLaunches:
 
     def __init__(self, base: Path) -> None:
         self.base = base
+        # the environment as the session started: what a test sets in os.environ for a while (monkeypatch.setenv,
+        # ...) must not reach a launch that happens to start meanwhile
+        self.environ = dict(os.environ)
         self.results: dict[int, Future] = {}
         self._lock = threading.Lock()
 
@@ -248,7 +260,7 @@ class _BackgroundLaunches:
         try:
             scenarios = [s for s in registered[world] if launched(s["name"])]
             timeout = max(900, _SECONDS_PER_SCENARIO * len(scenarios))
-            result = launch(world, scenarios, self.base / f"shared{world}", timeout=timeout, niceness=niceness)
+            result = launch(world, scenarios, self.base / f"shared{world}", timeout, niceness, self.environ)
             LAUNCHED[world] = result
             future.set_result(result)
         except BaseException as error:  # a test that reads it reports it

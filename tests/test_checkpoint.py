@@ -142,11 +142,8 @@ def safety(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     root = tmp_path_factory.mktemp("safety")
     directory = root / "checkpoints"
-    os.environ[KILL_IN_SAVE_ENV] = "1:4"
-    try:
-        killed = launch(2, [_dp2("killed", callbacks=[_saver(directory)])], root / "group1", timeout=300)
-    finally:
-        del os.environ[KILL_IN_SAVE_ENV]
+    killing = {**os.environ, KILL_IN_SAVE_ENV: "1:4"}  # this group's alone (see launch)
+    killed = launch(2, [_dp2("killed", callbacks=[_saver(directory)])], root / "group1", timeout=300, environ=killing)
     from lightning_hybrid.checkpoint import read_meta
 
     after_kill = {  # before group 2 saves into the same directory
