@@ -28,6 +28,7 @@ __all__ = [
     "PipelineOptions",
     "TensorParallelOptions",
     "ZeroOptions",
+    "checkpoint_mode",
     "check_partition",
     "build_section",
     "check_positive_int",
@@ -48,6 +49,25 @@ def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise HybridConfigError(f"`{name}` must be a positive integer, got {value!r}.")
     return value
+
+
+def checkpoint_mode(value: Union[bool, str, None]) -> Optional[str]:
+    """``None``, ``"full"`` or ``"selective"`` for the value of ``activation_checkpointing`` (``True`` is ``"full"``).
+
+    Example:
+        >>> checkpoint_mode(True), checkpoint_mode("selective"), checkpoint_mode(False)
+        ('full', 'selective', None)
+    """
+    if value is None or value is False or value == "none":
+        return None
+    if value is True or value == "full":
+        return "full"
+    if value == "selective":
+        return "selective"
+    raise HybridConfigError(
+        f"`activation_checkpointing={value!r}` must be False, True / 'full' (recompute each block) or 'selective'"
+        " (keep matmul and attention outputs, recompute the pointwise ops)."
+    )
 
 
 def check_sizes(

@@ -21,6 +21,7 @@ from lightning_hybrid.config import (
     build_section,
     check_positive_int,
     check_sizes,
+    checkpoint_mode,
 )
 
 __all__ = ["LayoutRequest", "ParallelLayout", "StrategyOptions", "check_auto_layout", "check_compile"]
@@ -237,8 +238,10 @@ class StrategyOptions:
     request: LayoutRequest = field(default_factory=LayoutRequest)
     """The layout as asked for (``layout="auto"`` replaces its sizes once the world size is known)."""
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
-    activation_checkpointing: bool = False
-    """Recompute each transformer block in the backward pass instead of storing it."""
+    activation_checkpointing: Optional[str] = None
+    """None, ``"full"`` (recompute each block in backward) or ``"selective"`` (recompute its pointwise ops)."""
+    activation_checkpointing_every: int = 1
+    """Checkpoint every N-th block only."""
     transformer_blocks: Optional[str] = None
     """Name of the repeated block list when it cannot be found automatically."""
     compile: bool = False
@@ -266,7 +269,7 @@ class StrategyOptions:
         tensor_parallel_plan: Any = "auto",
         sequence_parallel: bool = False,
         expert_parallel_size: Any = 1,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: Any = False,
         vocab_parallel_loss: bool = True,
         transformer_blocks: Optional[str] = None,
         compile: bool = False,
@@ -289,6 +292,7 @@ class StrategyOptions:
         monitor: Any = True,
         layout: Optional[str] = None,
         device_memory: Optional[float] = None,
+        activation_checkpointing_every: int = 1,
         tensor_parallel: Optional[TensorParallelOptions] = None,
         pipeline: Optional[PipelineOptions] = None,
         zero: Optional[ZeroOptions] = None,
@@ -323,7 +327,10 @@ class StrategyOptions:
         return cls(
             request=request,
             checkpoint=sections["checkpoint"],
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=checkpoint_mode(activation_checkpointing),
+            activation_checkpointing_every=check_positive_int(
+                "activation_checkpointing_every", activation_checkpointing_every
+            ),
             transformer_blocks=transformer_blocks,
             compile=compile,
             process_group_backend=process_group_backend,

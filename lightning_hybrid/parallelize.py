@@ -56,14 +56,16 @@ class ModelOptions:
     """What :func:`parallelize` needs besides the layout: the strategy's model arguments and Lightning's settings.
 
     Example:
-        >>> ModelOptions(activation_checkpointing=True, device=torch.device("cpu")).transformer_blocks is None
+        >>> ModelOptions(activation_checkpointing="full", device=torch.device("cpu")).transformer_blocks is None
         True
     """
 
     device: torch.device
     """This rank's device."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block in the backward pass."""
+    activation_checkpointing: Optional[str] = None
+    """None, ``"full"`` or ``"selective"`` (``activation_checkpointing.py``)."""
+    activation_checkpointing_every: int = 1
+    """Checkpoint every N-th block only."""
     transformer_blocks: Optional[str] = None
     """Name of the repeated block list when it cannot be found automatically."""
     compile: bool = False
@@ -189,7 +191,10 @@ def parallelize(
     if options.activation_checkpointing:
         from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing
 
-        apply_activation_checkpointing(module, held_blocks)
+        apply_activation_checkpointing(
+            module, structure.block_names(), options.activation_checkpointing,
+            every=options.activation_checkpointing_every, held=held_blocks,
+        )  # fmt: skip
     # 4b. compile each block, after tensor parallel and checkpointing, before ZeRO-3 wraps it (as torchtitan does)
     if options.compile:
         compile_blocks(module, held_blocks)

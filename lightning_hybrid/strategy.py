@@ -79,7 +79,10 @@ class HybridStrategy(ParallelStrategy):
             ``{module-name pattern: "colwise" | "rowwise" | ParallelStyle}``. If ``configure_model`` already
             parallelized the model with ``self.device_mesh["tensor"]``, the plan is not applied.
         sequence_parallel: shard norm/dropout activations along the sequence (Megatron-SP); needs tensor parallel.
-        activation_checkpointing: recompute each transformer block in the backward pass instead of storing it.
+        activation_checkpointing: ``True`` / ``"full"``: recompute each transformer block in the backward pass,
+            keeping its input only; ``"selective"``: keep the matmul, attention and collective outputs and recompute
+            the pointwise ops (torchtitan's op-level policy, ``activation_checkpointing.SelectivePolicy``).
+        activation_checkpointing_every: checkpoint every N-th block only (1: all of them).
         vocab_parallel_loss: keep the logits sharded over the vocabulary so cross-entropy never gathers them.
         transformer_blocks: name of the repeated block list when it cannot be found automatically.
         num_microbatches: micro-batches per optimizer step under pipeline parallel (default: the pipeline size);
@@ -166,7 +169,7 @@ class HybridStrategy(ParallelStrategy):
         zero_stage: int = 1,
         tensor_parallel_plan: Union[str, dict[str, Any]] = "auto",
         sequence_parallel: bool = False,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: Union[bool, Literal["full", "selective"]] = False,
         vocab_parallel_loss: bool = True,
         transformer_blocks: Optional[str] = None,
         num_microbatches: Optional[int] = None,
@@ -192,6 +195,7 @@ class HybridStrategy(ParallelStrategy):
         device_memory: Optional[float] = None,
         compile: bool = False,
         expert_parallel_size: int = 1,
+        activation_checkpointing_every: int = 1,
         *,
         tensor_parallel: Optional[TensorParallelOptions] = None,
         pipeline: Optional[PipelineOptions] = None,
@@ -329,6 +333,7 @@ class HybridStrategy(ParallelStrategy):
             options = ModelOptions(
                 device=self.root_device,
                 activation_checkpointing=self._options.activation_checkpointing,
+                activation_checkpointing_every=self._options.activation_checkpointing_every,
                 transformer_blocks=self._options.transformer_blocks,
                 compile=self._options.compile,
                 layer_sync=compat.layer_sync(self),

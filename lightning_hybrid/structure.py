@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from torch import nn
 
@@ -80,7 +80,7 @@ def _num_params(module: nn.Module) -> int:
 def block_list_needed_by(
     *,
     pipeline_parallel_size: int = 1,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: Union[bool, str, None] = False,
     tensor_parallel_auto_plan: bool = False,
     sequence_parallel: bool = False,
 ) -> list[str]:
@@ -93,7 +93,9 @@ def block_list_needed_by(
     needs = []
     if pipeline_parallel_size > 1:
         needs.append(f"`pipeline_parallel_size={pipeline_parallel_size}` (the pipeline stages are cut between blocks)")
-    if activation_checkpointing:
+    if activation_checkpointing == "selective":
+        needs.append("`activation_checkpointing='selective'` (each block's pointwise ops are recomputed in backward)")
+    elif activation_checkpointing:
         needs.append("`activation_checkpointing=True` (each block is recomputed in the backward pass)")
     if tensor_parallel_auto_plan:
         needs.append("`tensor_parallel_plan='auto'` (the plan is read from the layers of the blocks)")

@@ -39,6 +39,14 @@ WORLD2 = [
     scenario("nanogpt-tp2-tied", "nanogpt", {"tensor_parallel_size": 2}, 1, model_kwargs={"tie_weights": True}),
     {**scenario("nanogpt-tp2-user-plan", "nanogpt", {"tensor_parallel_size": 2}, 1), "model": "nanogpt_user_tp"},
     scenario("nanogpt-dp2-zero1-ac", "nanogpt", {"zero_stage": 1, "activation_checkpointing": True}, 2),
+    # the planner's top layout for docs/planning.md's 65B case (ZeRO-3 over every device, full recompute), CPU-sized
+    scenario("llama-dp2-zero3-ac-full", "llama", {"zero_stage": 3, "activation_checkpointing": "full"}, 2),
+    # op-level selective recompute (matmul, attention and collective outputs kept), under tensor parallel with
+    # sequence parallel, and on every second block of a pipeline stage
+    scenario("llama-tp2-sp-sac", "llama", {"tensor_parallel_size": 2, "sequence_parallel": True,
+                                           "activation_checkpointing": "selective"}, 1),  # fmt: skip
+    scenario("nanogpt-pp2-sac-every2", "nanogpt", {"pipeline_parallel_size": 2, "activation_checkpointing": "selective",
+                                                   "activation_checkpointing_every": 2}, 1),  # fmt: skip
     scenario(
         "nanogpt-tp2-dictplan",
         "nanogpt",

@@ -25,9 +25,11 @@ Per block, in elements of ``s * b * h`` (sequence x micro-batch x hidden), what 
   The dispatch's send and receive buffers (``2 top_k s b h`` values, one layer's at a time) are transient: the
   ledger counts them as a buffer.
 
-Recompute: ``"selective"`` recomputes the attention scores (nothing left to drop under fused attention); ``"full"``
-keeps each block's input only (``2 s b h`` bytes at 2 bytes) and recomputes the block in backward, which then needs
-one block's activations at a time (a transient, counted by the ledger as a buffer).
+Recompute: ``"selective"`` is the strategy's op-level policy (``activation_checkpointing.SelectivePolicy``): a block
+keeps its input and the outputs of its matmuls, attention kernel and collectives, and recomputes the rest (norms,
+activations, elementwise ops); ``"full"`` keeps each block's input only (``2 s b h`` bytes at 2 bytes) and recomputes
+the block in backward, which then needs one block's activations at a time (a transient, counted by the ledger as a
+buffer). Mixture-of-experts blocks under ``"selective"`` are counted from the same rule, not measured.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def block_bytes(
     split = t if sequence_parallel else 1
     if recompute == "full":
         return act_bytes * sbh / split
+    if recompute == "selective":
+        return _selective_block_bytes(spec, micro_batch, act_bytes, t, sequence_parallel, attention, moe,
+                                      expert_parallel_size)  # fmt: skip
     kv = spec.kv / spec.heads
     ffn = spec.ffn_size / h
     interior = 4 if spec.family == "llama" else 2  # SwiGLU: gate, SiLU(gate), up, product; GELU: input, output
@@ -90,14 +95,55 @@ def block_bytes(
     else:
         replicated, sharded, stats = 4.0, 2 + 2 * kv + interior * ffn, 4 * s * b * 4
     masks = 2 * sbh if dropout else 0
-    if attention == "flash" or recompute == "selective":
-        scores = 0.0 if attention == "eager" else 4 * spec.heads * s * b / t  # float32 log-sum-exp per query, head
+    if attention == "flash":
+        scores = 4 * spec.heads * s * b / t  # float32 log-sum-exp per query and head
     else:
         per_score = act_bytes + ((1 + act_bytes) if dropout else 0)
         scores = per_score * spec.heads * s * s * b / t
     if attention == "eager":
         stats = 0.0  # Korthikanti et al. count no norm statistics; with eager scores they are < 0.1%
     return (act_bytes * replicated * sbh + masks + stats) / split + act_bytes * sharded * sbh / t + scores + routed
+
+
+def _selective_block_bytes(
+    spec: ModelSpec,
+    micro_batch: int,
+    act_bytes: int,
+    t: int,
+    sequence_parallel: bool,
+    attention: Attention,
+    moe: bool,
+    expert_parallel_size: int,
+) -> float:
+    """What a block keeps under op-level selective recompute (``activation_checkpointing.SelectivePolicy``): its
+    input, every linear layer's output, the fused attention kernel's output and float32 log-sum-exp (eager
+    attention's scores and their product with the values are recomputed) and every collective's result; the norms,
+    activations and elementwise ops are recomputed. Under tensor parallel a row-wise layer's matmul output is the
+    whole-size partial sum and its all-reduce a second copy; with sequence parallel the input and the
+    reduce-scatters are split, and the all-gathers before attention and the MLP are whole."""
+    s, b, h = spec.seq, micro_batch, spec.hidden
+    sbh = s * b * h
+    kv, ffn = spec.kv / spec.heads, spec.ffn_size / h
+    colwise_mlp = 2 if spec.family == "llama" else 1  # gate and up, or fc
+    if t == 1:
+        whole, split_t = 3.0, 0.0  # the input, the attention's and the MLP's output projections
+    elif not sequence_parallel:
+        whole, split_t = 5.0, 0.0  # the input, two partial sums and their two all-reduces
+    else:
+        whole, split_t = 4.0, 3.0  # two all-gathers and two partial sums; the input and two reduce-scatters split
+    # q, k, v and the fused attention's output (eager attention's batched matmuls are recomputed); gate and up (or
+    # fc): split over the tensor ranks
+    sharded = 1 + 2 * kv + (1 if attention == "flash" else 0)
+    mlp = colwise_mlp * ffn
+    if moe and spec.is_moe:
+        # each (token, expert) pair: its gate|up and down outputs; the router's logits; shared experts as dense
+        shared = spec.shared_experts * (spec.shared_ffn or spec.expert_ffn_size) / h
+        expert_split = t if expert_parallel_size == 1 else 1
+        # per rank, in units of s*b*h: each pair's matmul outputs and the router's logits (not divided by t below)
+        routed = spec.top_k * (colwise_mlp * spec.expert_ffn_size / h / expert_split + 1) + spec.experts / h
+        mlp = colwise_mlp * shared + routed * t
+    scores = 4 * spec.heads * s * b / t if attention == "flash" else 0.0  # the fused kernel's log-sum-exp
+    return act_bytes * sbh * (whole + split_t / t + (sharded + mlp) / t) + scores
 
 
 def in_flight_microbatches(schedule: str, pipeline_parallel_size: int, num_microbatches: int, virtual: int = 1,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ def auto_layout(
     device: torch.device,
     device_memory: Optional[float],
     precision: str,
-    activation_checkpointing: bool,
+    activation_checkpointing: Union[bool, str, None],
     schedule: str,
     virtual_stages: int,
     sequence_parallel: bool = False,
@@ -49,7 +49,8 @@ def auto_layout(
         micro_batch=shape[0] if shape else 1,
         precision=precision if precision != "32" else "32-true",
         optimizer="adamw",
-        recompute="full" if activation_checkpointing else "none",
+        # the strategy's mode ("full", "selective" or None; True is "full") is the planner's recompute
+        recompute={True: "full", False: "none", None: "none"}.get(activation_checkpointing, activation_checkpointing),
         device_memory=device_memory,
         devices_per_node=devices_per_node,
         nodes=world_size // devices_per_node,

@@ -107,9 +107,10 @@ def _stage_ledger(spec: ModelSpec, setup: Setup, c: Candidate, first: bool, last
                                   moe_blocks=moe_blocks, expert_parallel_size=ep, **kwargs)  # fmt: skip
     activations = flight * (acts["blocks"] + acts["inputs"] + acts["outputs"])
     buffers = {"logits": acts["logits"] * (c.num_microbatches if c.schedule == "gpipe" and p > 1 else 1)}
-    if c.recompute == "full":  # backward recomputes one block at a time: its full activations exist meanwhile
-        buffers["recompute"] = block_bytes(spec, setup.micro_batch, moe=moe_blocks > 0, expert_parallel_size=ep,
-                                           **kwargs)  # fmt: skip
+    if c.recompute != "none":  # backward recomputes one block at a time: what it recomputes exists meanwhile
+        one = {"moe": moe_blocks > 0, "expert_parallel_size": ep, **kwargs}
+        kept = block_bytes(spec, setup.micro_batch, recompute="selective", **one) if c.recompute == "selective" else 0
+        buffers["recompute"] = block_bytes(spec, setup.micro_batch, **one) - kept
     if c.zero_stage == 3 and d > 1:
         # FSDP2 gathers a block (and prefetches the next); under pipeline parallel the stage's blocks stay gathered.
         # Expert weights are gathered over the dp / ep ranks holding them
