@@ -61,18 +61,20 @@ def launch(
     niceness: int = 0,
     environ: Optional[dict[str, str]] = None,
 ) -> LaunchResult:
-    """Run ``scenarios`` in one ``torchrun`` group of ``world`` CPU processes, with a hard timeout (``niceness``: the
-    group's scheduling priority below this process's, for a launch running behind other tests; ``environ``: the
-    group's environment, this process's by default). A test that needs a variable in its group passes it here:
-    setting it in ``os.environ`` would also reach a shared launch starting meanwhile in the background (a kill-in-save
-    variable set that way SIGKILLed a rank of the 8-process launch, and 86 tests failed with it)."""
+    """Run ``scenarios`` in one group of ``world`` CPU processes (forked with ``torchrun``'s worker environment:
+    tests/fork_launch.py), with a hard timeout (``niceness``: the group's scheduling priority below this process's,
+    for a launch running behind other tests; ``environ``: the group's environment, this process's by default). A
+    test that needs a variable in its group passes it here: setting it in ``os.environ`` would also reach a shared
+    launch starting meanwhile in the background (a kill-in-save variable set that way SIGKILLed a rank of the
+    8-process launch, and 86 tests failed with it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "spec.json"
     spec.write_text(json.dumps(scenarios))
     environ = dict(os.environ if environ is None else environ)
     env = {**environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--standalone",
-           str(ROOT / "tests" / "worker.py"), str(spec), str(out_dir)]  # fmt: skip
+    # the ranks are forked from one interpreter that imported torch and Lightning (tests/fork_launch.py), with
+    # torchrun's worker environment: start-up was ~10 CPU-s per rank
+    cmd = [sys.executable, str(ROOT / "tests" / "fork_launch.py"), str(world), str(spec), str(out_dir)]
     # a session of its own: a timeout or the end of the test session kills the agent and its ranks together
     proc = subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
