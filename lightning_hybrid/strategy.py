@@ -65,10 +65,9 @@ class HybridStrategy(ParallelStrategy):
     (``pipeline=PipelineOptions(schedule="gpipe")``; the four sections are the last arguments below, documented field
     by field in ``lightning_hybrid.config``). A field of one word takes its section's name in front in the flat form
     (``plan`` <-> ``tensor_parallel_plan``); a longer one is the flat name itself (``num_microbatches``). The sizes and
-    ``sequence_parallel`` are flat only. The constructor builds each section from both forms and checks it once
-    (:meth:`~lightning_hybrid.layout.StrategyOptions.from_arguments`), raising
-    :class:`~lightning_hybrid.HybridConfigError` alike on every rank, also for an option given both ways with different
-    values (a flat argument at its default counts as not given).
+    ``sequence_parallel`` are flat only. Both forms are checked once (``StrategyOptions.from_arguments``), raising
+    :class:`~lightning_hybrid.HybridConfigError` alike on every rank, also for an option given both ways differently
+    (a flat argument at its default counts as not given).
 
     Arguments:
         tensor_parallel_size: ranks that split each layer (DTensor). Consecutive ranks, so keep it within a node.
@@ -79,9 +78,8 @@ class HybridStrategy(ParallelStrategy):
             ``{module-name pattern: "colwise" | "rowwise" | ParallelStyle}``. If ``configure_model`` already
             parallelized the model with ``self.device_mesh["tensor"]``, the plan is not applied.
         sequence_parallel: shard norm/dropout activations along the sequence (Megatron-SP); needs tensor parallel.
-        activation_checkpointing: ``True`` / ``"full"``: recompute each transformer block in the backward pass,
-            keeping its input only; ``"selective"``: keep the matmul, attention and collective outputs and recompute
-            the pointwise ops (torchtitan's op-level policy, ``activation_checkpointing.SelectivePolicy``).
+        activation_checkpointing: ``True``/``"full"``: recompute each block in backward from its input; ``"selective"``:
+            keep matmul, attention and collective outputs, recompute the rest (``SelectivePolicy``).
         activation_checkpointing_every: checkpoint every N-th block only (1: all of them).
         vocab_parallel_loss: keep the logits sharded over the vocabulary so cross-entropy never gathers them.
         transformer_blocks: name of the repeated block list when it cannot be found automatically.
@@ -564,8 +562,7 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # a decision (stop, save) every rank must take alike: counted over the world, as Lightning compares it with
-        # the world size
+        # a decision (stop, save) every rank must take alike: counted over the world, as Lightning compares it
         votes = topology.reduce(torch.tensor(int(decision), device=self.root_device), None, "sum")
         return bool(votes == self.world_size) if all else bool(votes)
 
@@ -580,8 +577,7 @@ class HybridStrategy(ParallelStrategy):
             if getattr(self, "_example_input_array", None) is not None:
                 self.lightning_module.example_input_array = self._example_input_array
             OptimizerStep.release_schedulers(self.lightning_module)
-        # Bucket all-reduces are in flight only if a step raised; they are not waited for here, since the peers may
-        # never join them (a wait would then block until the collective timeout instead of letting the job end).
+        # Bucket all-reduces in flight (a step raised) are not waited for: the peers may never join them.
         if self._topology is not None:
             self._topology.watchdog.stop()
         try:
