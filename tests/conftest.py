@@ -74,7 +74,8 @@ def launch(
     env = {**environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{environ.get('PYTHONPATH', '')}"}
     # the ranks are forked from one interpreter that imported torch and Lightning (tests/fork_launch.py), with
     # torchrun's worker environment: start-up was ~10 CPU-s per rank
-    cmd = [sys.executable, str(ROOT / "tests" / "fork_launch.py"), str(world), str(spec), str(out_dir)]
+    cmd = [sys.executable, str(ROOT / "tests" / "fork_launch.py"), str(world), "tests.worker:main", str(spec),
+           str(out_dir)]  # fmt: skip
     # a session of its own: a timeout or the end of the test session kills the agent and its ranks together
     proc = subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,

@@ -1,5 +1,6 @@
-"""Start one group of N CPU ranks for ``tests/worker.py`` by forking them from one interpreter that has imported
-torch, Lightning and the package, instead of ``torchrun`` starting N interpreters that each import them again.
+"""Start one group of N CPU ranks of a test worker (``tests/worker.py``'s ``main`` and the like) by forking them from
+one interpreter that has imported torch, Lightning and the package, instead of ``torchrun`` starting N interpreters
+that each import them again.
 
 The imports are about 10 CPU-seconds a process on the 2-core test machine (``import lightning`` alone is 8 s, most of
 it torchmetrics' eager imports of SciPy, transformers and matplotlib), and the suite's launches start about 40
@@ -9,12 +10,14 @@ rendezvous store as under ``init_process_group("env://")``, and the group ends a
 rank to fail stops the others, and the launcher exits with its code. The launch of a user's script is tested where
 it matters, with ``torchrun`` and Lightning's own launcher (tests/test_teardown.py, tests/test_hang_restart.py).
 
-Usage: python tests/fork_launch.py N SPEC.json OUT_DIR
+Usage: python tests/fork_launch.py N MODULE:FUNCTION ARGS...  (the function reads ``sys.argv[1:]``, as a script
+``torchrun`` started would: e.g. ``tests.worker:main SPEC.json OUT_DIR``)
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import signal
 import socket
@@ -23,10 +26,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import tests.worker as worker  # noqa: E402  (torch, Lightning, the package: imported once, before the fork)
 
 # after the first failure, how long the other ranks get to leave on SIGTERM before SIGKILL (torchrun waits 30 s)
 _GRACE_S = 15.0
@@ -38,7 +40,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, args: list[str]) -> None:
+def _rank_main(rank: int, world: int, port: int, target: Any, args: list[str]) -> None:
     """The forked rank: torchrun's worker environment, then the worker; never returns."""
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
@@ -48,10 +50,10 @@ def _rank_main(rank: int, world: int, port: int, args: list[str]) -> None:
     })  # fmt: skip
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store: there is no agent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    sys.argv = [worker.__file__, *args]
+    sys.argv = [sys.modules[target.__module__].__file__, *args]
     code = 0
     try:
-        worker.main()
+        target()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
     except BaseException:
@@ -85,9 +87,19 @@ def _stop(pids: dict[int, int]) -> None:
 
 
 def main() -> int:
-    world, args = int(sys.argv[1]), sys.argv[2:]
+    world, (module, function), args = int(sys.argv[1]), sys.argv[2].split(":"), sys.argv[3:]
+    target = getattr(importlib.import_module(module), function)  # torch, Lightning, the package: imported once here
     # a thread holding a lock at fork would leave it held in every rank: the imports must not have started any
     assert threading.active_count() == 1, f"threads before the fork: {threading.enumerate()}"
+    niceness = os.nice(0)
+    if niceness > 0:
+        # The launch runs in a session of its own (the suite starts it so), and with autogroup scheduling CPU time
+        # is shared between sessions first: its plain nice would not yield to the tests in front. The session's
+        # group takes the same nice (best effort: only Linux has /proc/self/autogroup).
+        try:
+            Path("/proc/self/autogroup").write_text(str(niceness))
+        except OSError:
+            pass
     port = _free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -95,7 +107,7 @@ def main() -> int:
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            _rank_main(rank, world, port, args)
+            _rank_main(rank, world, port, target, args)
         pids[pid] = rank
     first_failure = 0
     while pids:

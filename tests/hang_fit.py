@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,6 +36,14 @@ class Marker(L.Callback):
 
 
 torch.set_num_threads(1)
+# Every rank at the start line before the short collective timeout applies: on a loaded machine the ranks' imports
+# end tens of seconds apart, and the first collective would time out on the early ones (a rank exited 1 before
+# step 3 once in a full suite). A count in torchrun's store, which its agent hosts, with no process group of its own.
+store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=timedelta(seconds=600))  # fmt: skip
+store.add("hang_fit.started", 1)
+while int(store.add("hang_fit.started", 0)) < int(os.environ["WORLD_SIZE"]):
+    time.sleep(0.1)
 module = build_module("nanogpt", n_layer=2, bias=False)
 strategy = HybridStrategy(**spec["strategy"], timeout=spec["timeout"])
 kwargs = {**trainer_kwargs(spec.get("steps", 10_000)), "callbacks": [Marker()]}

@@ -4,7 +4,7 @@
 parallel only.
 
 All multi-process scenarios run in ONE launched group of 4 CPU processes (this file is also the worker:
-``python -m torch.distributed.run --nproc_per_node 4 tests/test_monitoring.py SPEC OUT``).
+``python tests/fork_launch.py 4 tests.test_monitoring:_worker_main SPEC OUT``, or under ``torchrun``).
 """
 
 from __future__ import annotations
@@ -314,8 +314,9 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env.pop("WANDB_MODE", None)  # no credentials here: the monitor must choose offline by itself
     env.pop("WANDB_API_KEY", None)
     env["NETRC"] = str(out / "no-netrc")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--standalone",
-           str(Path(__file__).resolve()), str(spec), str(out)]  # fmt: skip
+    # forked after one import (tests/fork_launch.py, as the shared launches); the command's own start is tested below
+    cmd = [sys.executable, str(ROOT / "tests" / "fork_launch.py"), str(WORLD), "tests.test_monitoring:_worker_main",
+           str(spec), str(out)]  # fmt: skip
     try:
         proc = subprocess.run(
             cmd, env=env, cwd=out, capture_output=True, text=True, timeout=420, stdin=subprocess.DEVNULL
