@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.config import HybridConfigError, checkpoint_mode
 from lightning_hybrid.layout import LayoutRequest, ParallelLayout, StrategyOptions, check_auto_layout
 
 __all__ = ["auto_layout", "auto_request", "check_auto_layout", "resolve_layout"]
@@ -49,8 +49,7 @@ def auto_layout(
         micro_batch=shape[0] if shape else 1,
         precision=precision if precision != "32" else "32-true",
         optimizer="adamw",
-        # the strategy's mode ("full", "selective" or None; True is "full") is the planner's recompute
-        recompute={True: "full", False: "none", None: "none"}.get(activation_checkpointing, activation_checkpointing),
+        recompute=checkpoint_mode(activation_checkpointing) or "none",  # the strategy's mode is the planner's
         device_memory=device_memory,
         devices_per_node=devices_per_node,
         nodes=world_size // devices_per_node,
