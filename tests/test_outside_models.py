@@ -12,6 +12,8 @@
   it at set-up; without an example input to trace, ``verify_tensor_parallel`` refuses it at the first step;
 - DeepSeek-V3 at tp=2: transformers 5.25's plan splits its multi-head latent attention (``mla_kv_a_proj``), whose
   rotary keys bypass the column-wise ``kv_b_proj``; their gradient is summed over the tensor ranks;
+- EXAONE-MoE at tp=2 (in a trial at other sizes) was refused by ``verify_tensor_parallel`` with equal gradients: the
+  check's random projection of the logits cancelled to -0.008 and its rounding was read relative to that;
 - Qwen2-MoE at tp=2 (sparse layers only): its declared plan also names the dense MLP's layers, which the sparse
   layer lacks; that was refused as a pattern matching nothing, and now trains like one device.
 """
@@ -68,6 +70,12 @@ CASES = [
             },
         },
     ),
+    # EXAONE-MoE: in an outside trial (other sizes) the first-step check's random projection of the logits cancelled
+    # to -0.008 and its rounding (1.4e-6) counted relative to that: refused with equal gradients. The projection is
+    # now scaled by its terms (unit tests in test_tensor_parallel_plans.py); this config trains exact either way
+    _case("exaone_moe", TP2, num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+          num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, sliding_window=8,
+          layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse"]),
     _case("bloom", TP2, _FAILED_IN + r" \(BloomAttention\)"),
     _case(
         "gpt_bigcode",

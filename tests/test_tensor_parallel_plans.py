@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_hybrid import HybridConfigError
+from lightning_hybrid.pipeline.verify import TOLERANCES, PipelineVerifier
 from lightning_hybrid.structure import find_model_structure
 from lightning_hybrid.tensor_parallel import build_tensor_parallel_plan
 from lightning_hybrid.tensor_parallel.styles import KNOWN_STYLES, REFUSED_STYLES, parameter_placement, style_from_name
@@ -306,3 +307,37 @@ def test_a_dict_plan_may_close_a_split_in_a_sibling_module_the_data_flow_checks(
     net = _TinyLM(type("Layer", (_BertLikeLayer,), {"between": "residual"}))
     with pytest.raises(HybridConfigError, match=r"applies 'add' to the sharded output of \['self_attn.query'"):
         build_tensor_parallel_plan(net, find_model_structure(net), plan)
+
+
+# ------------------------------------------------------------------------------------------------ the first-step check
+def _verifier(measured: tuple[float, float]) -> PipelineVerifier:
+    return PipelineVerifier(None, None, None, TOLERANCES["32-true"], measured=measured, option="verify_tensor_parallel")
+
+
+def test_a_loss_near_zero_is_compared_at_the_scale_of_its_terms() -> None:
+    """EXAONE-MoE at tp2 was refused: its check value -0.00806 differed by 1.4e-6 (1.8e-4 relative) while the
+    gradient norms agreed to 2e-9. Below 1 the loss's error is absolute; the gradient norm and larger losses stay
+    relative, so a wrong value is still refused."""
+    _verifier((-0.0080614, 0.25)).compare((-0.0080600, 0.25 * (1 + 2e-9)))  # rounding of cancelling terms: accepted
+    with pytest.raises(HybridConfigError, match=r"loss -0.00806 vs -0.00906 \(error 1.0e-03\)"):
+        _verifier((-0.00806, 0.25)).compare((-0.00906, 0.25))
+    with pytest.raises(HybridConfigError, match=r"loss 5.001 vs 5 \(error 2.0e-04\)"):
+        _verifier((5.001, 0.25)).compare((5.0, 0.25))
+    with pytest.raises(HybridConfigError, match=r"gradient norm 0.25 vs 0.2501"):
+        _verifier((-0.0080614, 0.25)).compare((-0.0080614, 0.2501))
+
+
+def test_the_check_projection_is_scaled_by_its_terms_magnitude() -> None:
+    """The random projection of the network's output is divided by the sum of its terms' magnitudes: a value in
+    [-1, 1] whose rounding is absolute, whatever the output's size; its gradient points the same way."""
+    from lightning_hybrid.tensor_parallel.verify import _projection
+
+    logits = torch.randn(2, 8, 50, requires_grad=True)
+    value = _projection((logits, torch.ones(3, dtype=torch.long)))
+    weights = torch.randn((2, 8, 50), generator=torch.Generator().manual_seed(0))
+    terms = logits.detach() * weights
+    assert -1 <= float(value) <= 1
+    assert float(value) == pytest.approx(float(terms.sum() / terms.abs().sum()), rel=1e-6)
+    value.backward()
+    assert torch.allclose(logits.grad, weights / terms.abs().sum(), rtol=1e-6)
+    assert _projection(torch.ones(3, dtype=torch.long)) is None
