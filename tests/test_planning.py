@@ -152,6 +152,44 @@ def test_worked_cases(sizes: dict[str, int], name: str, want: tuple) -> None:
         assert f"ranked first: {result.best.candidate.describe()}" in table
 
 
+@pytest.mark.parametrize(
+    ("sizes", "options"),
+    [
+        (LLAMA65B, {"micro_batch": 4, **CLUSTER}),
+        (LLAMA13B, {"micro_batch": 4, **CLUSTER, "schedule": "interleaved_1f1b", "virtual_stages": 2}),
+        # GPT-2's vocabulary (50257) is odd: the strategy refuses every tensor-parallel size over it
+        ({"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "seq": 1024}, {"nodes": 1, "device_memory": 4}),
+    ],
+    ids=["65b", "13b-interleaved", "gpt2-odd-vocab"],
+)
+def test_the_planner_ranks_no_layout_the_strategy_refuses(sizes: dict[str, Any], options: dict[str, Any]) -> None:
+    """Every feasible ranked layout is one HybridStrategy takes: its arguments construct the strategy and resolve
+    against the world size; what the tensor-parallel plan would refuse (a size not dividing the heads, hidden, FFN or
+    vocabulary) is infeasible, with the reason."""
+    from lightning_hybrid.layout import LayoutRequest
+
+    result = plan(**sizes, precision="bf16", optimizer="adam", **options)
+    feasible = [e for e in result.layouts if e.feasible]
+    assert feasible, result.table()
+    for e in feasible:
+        c = e.candidate
+        sequence_parallel = result.setup.sequence_parallel and c.tensor_parallel_size > 1
+        strategy_args = {**c.sizes(), "sequence_parallel": sequence_parallel,
+                         "num_microbatches": c.num_microbatches, "pipeline_schedule": c.schedule,
+                         "virtual_pipeline_size": c.virtual_stages,
+                         "activation_checkpointing": {"none": False}.get(c.recompute, c.recompute)}  # fmt: skip
+        HybridStrategy(**strategy_args)
+        LayoutRequest(**c.sizes(), sequence_parallel=strategy_args["sequence_parallel"]).resolve(
+            result.hardware.world_size
+        )
+        widths = [sizes["heads"], sizes["hidden"], sizes.get("ffn") or 4 * sizes["hidden"], sizes["vocab"]]
+        assert all(w % c.tensor_parallel_size == 0 for w in widths), c
+    if sizes["vocab"] == 50257:
+        assert {e.candidate.tensor_parallel_size for e in feasible} == {1}
+        refused = next(e for e in result.layouts if e.candidate.tensor_parallel_size == 2)
+        assert not refused.feasible and "tensor_parallel_size=2 does not divide vocab=50257" in refused.reason
+
+
 def test_decision_rules_data_parallel_then_zero3() -> None:
     small = plan(layers=12, hidden=768, heads=12, vocab=50257, seq=1024, micro_batch=4, precision="bf16", nodes=1)
     assert small.rule_reason.startswith("rule 1") and small.rule.candidate.data_parallel_size == 8

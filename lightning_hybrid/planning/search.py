@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lightning_hybrid.config import HybridConfigError, PipelineOptions
+from lightning_hybrid.layout import LayoutRequest
 from lightning_hybrid.planning.activations import block_bytes, in_flight_microbatches, stage_activation_bytes
 from lightning_hybrid.planning.hardware import GB, Hardware
 from lightning_hybrid.planning.ledger import PRECISION_BYTES, Ledger, state_bytes_per_parameter
@@ -165,16 +167,29 @@ def expert_refusal(spec: ModelSpec, setup: Setup, c: Candidate) -> Optional[str]
     return None
 
 
-def _structural_reason(spec: ModelSpec, hw: Hardware, c: Candidate) -> Optional[str]:
+def _structural_reason(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Optional[str]:
+    """Why the strategy would refuse ``c`` for this model, or why the cluster cannot hold it (None: neither). The
+    layout's own arguments go through the strategy's validation (``LayoutRequest``), so a rule added there holds here
+    too; the model's sizes are checked as the tensor-parallel plan checks them (heads, hidden, FFN, vocabulary)."""
     t, p = c.tensor_parallel_size, c.pipeline_parallel_size
     if t > hw.devices_per_node:
         return f"tensor_parallel_size={t} exceeds the {hw.devices_per_node} devices of a node"
-    if spec.heads % t or spec.kv % t:
-        return f"tensor_parallel_size={t} does not divide heads={spec.heads} / kv_heads={spec.kv}"
+    try:
+        LayoutRequest(
+            **c.sizes(),
+            sequence_parallel=setup.sequence_parallel and t > 1,
+            pipeline=PipelineOptions(num_microbatches=c.num_microbatches, schedule=c.schedule,
+                                     virtual_pipeline_size=c.virtual_stages),
+        ).resolve(hw.world_size)  # fmt: skip
+    except HybridConfigError as refusal:
+        return f"refused by HybridStrategy: {str(refusal).split('. ')[0]}"
+    widths = {"heads": spec.heads, "kv_heads": spec.kv, "hidden": spec.hidden, "ffn": spec.ffn or 4 * spec.hidden,
+              "vocab": spec.vocab}  # fmt: skip
+    uneven = [f"{k}={v}" for k, v in widths.items() if v % t]
+    if uneven:
+        return f"tensor_parallel_size={t} does not divide {', '.join(uneven)}"
     if spec.layers < p * c.virtual_stages:
         return f"{spec.layers} layers cannot fill {p * c.virtual_stages} pipeline stages"
-    if p > 1 and c.schedule != "gpipe" and c.num_microbatches < p:
-        return f"num_microbatches={c.num_microbatches} < pipeline_parallel_size={p}"
     return None
 
 
@@ -193,7 +208,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evalu
     ledgers = [_stage_ledger(spec, setup, c, first, last) for first, last in stages]
     ledger, details = max(ledgers, key=lambda x: x[0].peak)
     tokens = c.data_parallel_size * c.num_microbatches * setup.micro_batch * spec.seq
-    structural = _structural_reason(spec, hw, c)
+    structural = _structural_reason(spec, hw, setup, c)
     if structural:
         return Evaluated(c, ledger, None, False, structural, tokens, details=details)
     grad_bytes = PRECISION_BYTES[setup.precision][1]
@@ -297,8 +312,10 @@ def decision_rule(evaluated: list[Evaluated], spec: ModelSpec, hw: Hardware) -> 
         zero3 = [e for e in single if e.candidate.zero_stage == 3 and e.feasible]
         if zero3:
             return zero3[0], f"rule 2: one layer fits, the model does not (recompute {r}): ZeRO-3 over every device"
-        tp = max((e.candidate.tensor_parallel_size for e in group if e.candidate.tensor_parallel_size
-                  <= hw.devices_per_node and not _structural_reason(spec, hw, e.candidate)), default=1)  # fmt: skip
+        runnable = [
+            e.candidate.tensor_parallel_size for e in group if not _structural_reason(spec, hw, Setup(), e.candidate)
+        ]
+        tp = max((t for t in runnable if t <= hw.devices_per_node), default=1)
         rule3 = [e for e in group if e.candidate.tensor_parallel_size == tp and e.feasible
                  and e.candidate.pipeline_parallel_size >= hw.nodes and e.candidate.zero_stage <= 1]  # fmt: skip
         if rule3:
