@@ -5,17 +5,18 @@ heads, attention runs with the ordinary mask over the whole sequence, and its ou
 Written here rather than taken from torch: ``torch.distributed.tensor.experimental.context_parallel`` shards SDPA's
 own kernels, and the CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``) has no sharding rule (torch
 2.11-2.13: NotImplementedError), while the head exchange composes with any attention kernel and any mask. The
-exchange itself is torch's differentiable ``all_to_all`` (its backward is the inverse all-to-all).
+differentiable exchange is written here too: torch's ``torch.distributed.nn.functional.all_to_all`` falls back under
+gloo to scatters addressed by global rank, which fail in a subgroup, and its ``all_to_all_single`` is deprecated for a
+private module; ``dist.all_to_all_single`` runs on gloo and NCCL alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all
 
 __all__ = ["ContextShard", "heads_to_sequence", "sequence_to_heads"]
 
@@ -42,9 +43,30 @@ class ContextShard:
 
 
 
-def _exchange(x: torch.Tensor, shard: ContextShard, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, shard: ContextShard, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split ``x`` along ``scatter_dim`` into one part per rank, send part ``j`` to rank ``j``, and concatenate what
-    every rank sent, in rank order, along ``gather_dim``."""
+    every rank sent, in rank order, along ``gather_dim`` (one ``all_to_all_single`` over the parts stacked)."""
+    parts = torch.stack(x.chunk(shard.size, dim=scatter_dim))
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts, group=shard.group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _Exchange(torch.autograd.Function):
+    """The all-to-all as an autograd function: its backward is the inverse all-to-all of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shard: ContextShard, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.shard, ctx.dims = shard, (scatter_dim, gather_dim)
+        return _all_to_all(x, shard, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad.contiguous(), ctx.shard, gather_dim, scatter_dim), None, None, None
+
+
+def _exchange(x: torch.Tensor, shard: ContextShard, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     if x.size(scatter_dim) % shard.size:
         from lightning_hybrid.config import HybridConfigError
 
@@ -53,9 +75,7 @@ def _exchange(x: torch.Tensor, shard: ContextShard, scatter_dim: int, gather_dim
             f" ({x.size(scatter_dim)} here; with tensor parallel, the heads / tensor_parallel_size) and the sequence"
             " length. Choose a divisor of both (docs/context-parallel.md)."
         )
-    parts = [p.contiguous() for p in x.chunk(shard.size, dim=scatter_dim)]
-    received = all_to_all([torch.empty_like(p) for p in parts], parts, group=shard.group)
-    return torch.cat(received, dim=gather_dim)
+    return _Exchange.apply(x, shard, scatter_dim, gather_dim)
 
 
 def heads_to_sequence(x: torch.Tensor, shard: ContextShard, head_dim: int = 1, seq_dim: int = 2) -> torch.Tensor:
