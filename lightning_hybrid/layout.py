@@ -201,24 +201,24 @@ def _check_context_parallel(request: LayoutRequest) -> None:
     cp = request.context_parallel_size
     if cp == 1:
         return
-    others = {"pipeline_parallel_size": request.pipeline_parallel_size,
-              "expert_parallel_size": request.expert_parallel_size}  # fmt: skip
-    if request.tensor_parallel.verify_tensor_parallel is True:
-        # its unsplit copy runs on one rank, where attention's all-to-all would wait for the other context ranks
-        raise HybridConfigError(
-            f"`context_parallel_size={cp}` does not run with `verify_tensor_parallel=True`: the check's unsplit copy"
-            " runs on one rank, and attention under context parallel needs every context rank. Leave it 'auto' (off"
-            " under context parallel) or False."
-        )
-    for name, size in others.items():
-        if size > 1:
-            # the pipeline's stages run pieces of the network's forward, where the positions are set and the
-            # sequence's shards would have to be cut per micro-batch; expert parallel's mesh splits the data
-            # dimension by replicas
+    checks = {"verify_tensor_parallel": request.tensor_parallel.verify_tensor_parallel,
+              "verify_pipeline": request.pipeline.verify_pipeline}  # fmt: skip
+    for name, value in checks.items():
+        if value is True:
+            # the check's unsplit copy runs on one rank, where attention's all-to-all would wait for the other
+            # context ranks
             raise HybridConfigError(
-                f"`context_parallel_size={cp}` does not run with `{name}={size}` yet. Use `{name}=1` with context"
-                f" parallel, or `context_parallel_size=1` (docs/context-parallel.md)."
+                f"`context_parallel_size={cp}` does not run with `{name}=True`: the check's unsplit copy runs on one"
+                " rank, and attention under context parallel needs every context rank. Leave it 'auto' (off under"
+                " context parallel) or False."
             )
+    if request.expert_parallel_size > 1:
+        # expert parallel's mesh splits the data dimension by replicas only
+        raise HybridConfigError(
+            f"`context_parallel_size={cp}` does not run with `expert_parallel_size={request.expert_parallel_size}`"
+            " yet. Use `expert_parallel_size=1` with context parallel, or `context_parallel_size=1`"
+            " (docs/context-parallel.md)."
+        )
 
 
 def check_compile(value: Any, request: LayoutRequest) -> None:

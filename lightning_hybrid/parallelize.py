@@ -404,8 +404,8 @@ def _cut_pipeline(
             owner_style="v" if options.schedule == "zbv_zero_bubble" else "loop",
         )
         pipeline_rank = mesh["pipeline"].get_local_rank()
-        verifier = make_verifier(
-            options.verify_pipeline,
+        verifier = make_verifier(  # not under context parallel: the copy runs on one rank, attention needs them all
+            options.verify_pipeline if layout.context_parallel_size == 1 else False,
             module,
             network,
             mesh,

@@ -34,6 +34,7 @@ def _scenario(name: str, model: str, strategy: dict[str, Any], dp: int, **extra:
 
 
 CP2 = {"context_parallel_size": 2}
+CP2_TP2_PP2 = {**CP2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
 # name -> (scenario, world)
 PARITY: dict[str, tuple[dict[str, Any], int]] = {
     s["name"]: (s, world)
@@ -52,20 +53,36 @@ PARITY: dict[str, tuple[dict[str, Any], int]] = {
             _scenario("litgpt-cp2-dp2-zero2", "litgpt_llama", {**CP2, "zero_stage": 2}, 2),
             # 2 key/value heads over 4 ranks: each query head's copy is exchanged
             _scenario("hf-llama-cp4", "hf-llama", {"context_parallel_size": 4, "zero_stage": 3}, 1),
+            _scenario("hf-llama-cp2-pp2", "hf-llama", {**CP2, "pipeline_parallel_size": 2}, 1),
+            _scenario("litgpt-cp2-pp2", "litgpt_llama", {**CP2, "pipeline_parallel_size": 2}, 1),
+        ],
+        8: [
+            _scenario("hf-llama-cp2-tp2-pp2", "hf-llama", CP2_TP2_PP2, 1),
+            # litgpt's Pythia style: its fused qkv splits over tensor-parallel ranks (the Llama style's GQA one not)
+            _scenario("litgpt-pythia-cp2-tp2-pp2", "litgpt_pythia", CP2_TP2_PP2, 1),
         ],
     }.items()
     for s in scenarios
 }
 REFUSED = _scenario("nanogpt-refused", "nanogpt", CP2, 1, expect_error=True)
-for _world in (2, 4):
+for _world in (2, 4, 8):
     share(_world, [s for s, w in PARITY.values() if w == _world])
 share(2, [REFUSED])
 
 
 @functools.cache
 def _reference(model: str, dp: int) -> dict[str, Any]:
-    return run_reference({"name": "reference", "model": model, "model_kwargs": LITGPT if model.startswith("litgpt")
-                          else {}, "dataset": "tokens", "steps": STEPS, "batch_size": BATCH, "data_parallel_size": dp})
+    return run_reference(
+        {
+            "name": "reference",
+            "model": model,
+            "model_kwargs": LITGPT if model.startswith("litgpt") else {},
+            "dataset": "tokens",
+            "steps": STEPS,
+            "batch_size": BATCH,
+            "data_parallel_size": dp,
+        }
+    )
 
 
 @pytest.fixture(scope="session")
@@ -89,8 +106,10 @@ def test_context_parallel_trains_like_one_device(groups, name: str) -> None:
     assert err <= TOL, f"{where}: relative error {err:.2e}"
     # replicas split the data, context ranks of a replica read the same samples
     samplers = [record["sampler"] for record in result["per_rank"]]
-    cp = scenario["strategy"]["context_parallel_size"]
-    assert all(samplers[r] == samplers[r - r % (cp * result["layout"]["tensor_parallel_size"])] for r in range(world))
+    replica = scenario["strategy"]["context_parallel_size"] * result["layout"]["tensor_parallel_size"]
+    dp = result["layout"]["data_parallel_size"]
+    assert all(samplers[r] == samplers[(r // replica) % dp * replica] for r in range(world))
+    assert dp == 1 or samplers[0] != samplers[replica]
 
 
 @pytest.mark.timeout(1800)
@@ -116,7 +135,7 @@ def test_layout_counts_context_ranks() -> None:
     ("arguments", "match"),
     [
         ({"context_parallel_size": 0}, r"`context_parallel_size` must be a positive integer"),
-        ({"context_parallel_size": 2, "pipeline_parallel_size": 2}, r"`pipeline_parallel_size=2` yet"),
+        ({"context_parallel_size": 2, "verify_pipeline": True}, r"verify_pipeline=True"),
         ({"context_parallel_size": 2, "expert_parallel_size": 2}, r"`expert_parallel_size=2` yet"),
         ({"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}, r"sequence_parallel"),
         ({"context_parallel_size": 2, "verify_tensor_parallel": True}, r"verify_tensor_parallel=True"),
@@ -159,3 +178,26 @@ def test_each_context_rank_keeps_its_contiguous_part_of_the_sequence() -> None:
         shard_batch(torch.zeros(2, 6), 0, 4)
     with pytest.raises(HybridConfigError, match=r"sequence lengths are \[7, 8\]"):
         shard_batch((torch.zeros(2, 8), torch.zeros(2, 7)), 0, 2)
+
+
+def test_the_planner_counts_context_ranks() -> None:
+    from lightning_hybrid.planning import plan
+
+    sizes = {"params": 6.7e9, "layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "seq": 8192, "micro_batch": 1,
+             "precision": "bf16", "recompute": "none", "nodes": 1, "tensor_parallel_size": 1,
+             "pipeline_parallel_size": 1, "zero_stage": 1, "attention": "flash"}  # fmt: skip
+    one, two = (plan(**sizes, context_parallel_size=cp).layouts[0] for cp in (1, 2))
+    assert two.candidate.sizes() == {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "data_parallel_size": 4,
+        "zero_stage": 1,
+        "expert_parallel_size": 1,
+        "context_parallel_size": 2,
+    }
+    # each rank holds half of each sample's tokens; ZeRO shards over replicas x context ranks, 8 in both
+    assert one.ledger.activations == pytest.approx(2 * two.ledger.activations)
+    assert one.ledger.optimizer == two.ledger.optimizer
+    assert one.tokens == 2 * two.tokens  # 8 replicas' samples against 4
+    refused = plan(**{**sizes, "heads": 2}, context_parallel_size=4).layouts[0]
+    assert not refused.feasible and "context parallel (1 x 4) does not divide heads=2" in refused.reason

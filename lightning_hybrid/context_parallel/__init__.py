@@ -126,5 +126,6 @@ def apply_context_parallel(plan: ContextParallelPlan, shard: ContextShard) -> No
     for gpt in plan.litgpt:
         calls = AttentionCalls()
         for block in gpt.transformer.h:
-            wrap_litgpt_attention(block.attn, shard, calls)
+            if hasattr(block, "attn"):  # under a pipeline, the other stages' blocks are stand-ins
+                wrap_litgpt_attention(block.attn, shard, calls)
         install_litgpt_positions(gpt, shard, calls)

@@ -42,7 +42,6 @@ class ContextShard:
         return self.rank * local_length
 
 
-
 def _all_to_all(x: torch.Tensor, shard: ContextShard, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split ``x`` along ``scatter_dim`` into one part per rank, send part ``j`` to rank ``j``, and concatenate what
     every rank sent, in rank order, along ``gather_dim`` (one ``all_to_all_single`` over the parts stacked)."""

@@ -43,17 +43,24 @@ def _shifted_labels(labels: torch.Tensor, shard: ContextShard) -> tuple[torch.Te
     return shifted, count / shard.size
 
 
-def install_hf_positions(model: nn.Module, shard: ContextShard, calls: AttentionCalls) -> None:
-    """On a transformers model (the outermost one a LightningModule calls): ``position_ids`` of the whole sequence
-    when not given, padding refused, a causal LM's ``labels`` shifted across the boundary; after its forward, a
-    forward whose attention did not go through the exchange refused."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
+class _GlobalPositionsForward:
+    """A transformers model's ``forward``, as an instance attribute: before it, ``position_ids`` of the whole sequence
+    when not given, padding refused, a causal LM's ``labels`` shifted across the boundary; after it, a forward whose
+    attention did not go through the exchange refused. The forward itself, not a forward pre-hook: the pipeline's
+    stages call ``network.forward`` directly. A deep copy of the model gets one calling the copy (the module is
+    copied through the memo)."""
 
-    signature = inspect.signature(model.forward)
-    causal_lm = getattr(model, "loss_function", None) is ForCausalLMLoss
+    def __init__(self, model: nn.Module, shard: ContextShard, calls: AttentionCalls) -> None:
+        from transformers.loss.loss_utils import ForCausalLMLoss
 
-    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        arguments = signature.bind_partial(*args, **kwargs).arguments
+        self.model, self.shard, self.calls = model, shard, calls
+        self.signature = inspect.signature(type(model).forward)
+        self.causal_lm = getattr(model, "loss_function", None) is ForCausalLMLoss
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model, shard, signature = self.model, self.shard, self.signature
+        arguments = signature.bind_partial(model, *args, **kwargs).arguments
+        arguments.pop(next(iter(signature.parameters)))  # self
         extra = arguments.pop(next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), ""), {})
         arguments.update(extra)
         tokens = arguments.get("input_ids")
@@ -66,39 +73,43 @@ def install_hf_positions(model: nn.Module, shard: ContextShard, calls: Attention
             arguments["position_ids"] = positions.unsqueeze(0).expand(batch, length)
         labels = arguments.get("labels")
         if labels is not None:
-            if not causal_lm:
+            if not self.causal_lm:
                 raise HybridConfigError(
-                    f"`context_parallel_size={shard.size}`: {type(module).__name__} computes its loss from `labels`"
+                    f"`context_parallel_size={shard.size}`: {type(model).__name__} computes its loss from `labels`"
                     " with a loss context parallel does not split exactly. Compute the loss from the logits in"
                     " training_step, or use `context_parallel_size=1` (docs/context-parallel.md)."
                 )
             if arguments.get("shift_labels") is None:
                 arguments["shift_labels"], count = _shifted_labels(labels, shard)
                 arguments.setdefault("num_items_in_batch", count)
-        calls.count = 0
-        return (), arguments
-
-    def after(module: nn.Module, args: tuple, output: Any) -> None:
-        if calls.count == 0:
+        self.calls.count = 0
+        output = type(model).forward(model, **arguments)
+        if self.calls.count == 0:
             raise HybridConfigError(
-                f"`context_parallel_size={shard.size}`: {type(module).__name__}'s forward ran no attention through"
+                f"`context_parallel_size={shard.size}`: {type(model).__name__}'s forward ran no attention through"
                 " transformers' attention functions, so each rank attended to its own tokens only. Context parallel"
                 " splits models whose attention layers call transformers' attention interface; use"
                 " `context_parallel_size=1` for this one (docs/context-parallel.md)."
             )
+        return output
 
-    model.register_forward_pre_hook(before, with_kwargs=True)
-    model.register_forward_hook(after)
+
+def install_hf_positions(model: nn.Module, shard: ContextShard, calls: AttentionCalls) -> None:
+    """Global positions and labels on a transformers model (the outermost one a LightningModule calls):
+    :class:`_GlobalPositionsForward` becomes its ``forward``."""
+    model.__dict__["forward"] = _GlobalPositionsForward(model, shard, calls)
 
 
 def install_litgpt_positions(gpt: nn.Module, shard: ContextShard, calls: AttentionCalls) -> None:
     """On litgpt's ``GPT``: each block gets the rotary cos/sin of its tokens' positions in the whole sequence
     (``GPT.forward`` slices them from position 0; its ``input_pos`` means a KV cache, not a training position)."""
-    blocks = list(gpt.transformer.h)
-    signature = inspect.signature(blocks[0].forward)
+    # litgpt's own blocks (under a pipeline, the other stages' blocks are stand-ins)
+    blocks = [b for b in gpt.transformer.h if type(b).__module__.startswith("litgpt")]
+    signature = inspect.signature(type(blocks[0]).forward) if blocks else None
 
     def block_before(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        arguments = signature.bind(*args, **kwargs).arguments
+        arguments = signature.bind(block, *args, **kwargs).arguments
+        arguments.pop(next(iter(signature.parameters)))  # self
         if arguments.get("input_pos") is not None:
             raise HybridConfigError(
                 f"`context_parallel_size={shard.size}`: litgpt's GPT was called with `input_pos` (its KV cache),"
