@@ -65,9 +65,11 @@ PARITY: dict[str, tuple[dict[str, Any], int]] = {
     for s in scenarios
 }
 REFUSED = _scenario("nanogpt-refused", "nanogpt", CP2, 1, expect_error=True)
+# a checkpoint saved at step 2 (ZeRO-1 shards over the data dimension, replicas x context ranks), resumed to step 4
+RESUMED = {**_scenario("hf-llama-cp2-resume", "hf-llama", {**CP2, "zero_stage": 1}, 1, resume_after=2), "steps": 4}
 for _world in (2, 4, 8):
     share(_world, [s for s, w in PARITY.values() if w == _world])
-share(2, [REFUSED])
+share(2, [REFUSED, RESUMED])
 
 
 @functools.cache
@@ -110,6 +112,17 @@ def test_context_parallel_trains_like_one_device(groups, name: str) -> None:
     dp = result["layout"]["data_parallel_size"]
     assert all(samplers[r] == samplers[(r // replica) % dp * replica] for r in range(world))
     assert dp == 1 or samplers[0] != samplers[replica]
+
+
+@pytest.mark.timeout(1800)
+def test_a_checkpoint_saved_under_context_parallel_resumes_exactly(groups) -> None:
+    result = groups(2).get(RESUMED["name"])
+    reference = run_reference({**RESUMED, "strategy": None})
+    assert len(result["losses"]) == len(reference["losses"]) == 4
+    for got, want in zip(result["losses"], reference["losses"], strict=True):
+        assert abs(got - want) <= TOL * abs(want)
+    for name, want in reference["params"].items():
+        assert relative_error(result["params"][name], want) <= TOL, name
 
 
 @pytest.mark.timeout(1800)

@@ -54,9 +54,9 @@ class Candidate:
 
     def sizes(self) -> dict[str, int]:
         """The layout's sizes, keyed like ``HybridStrategy``'s arguments."""
-        cp = {"context_parallel_size": self.context_parallel_size} if self.context_parallel_size > 1 else {}
-        return {**{k: getattr(self, k) for k in ("tensor_parallel_size", "pipeline_parallel_size",
-                                                 "data_parallel_size", "zero_stage", "expert_parallel_size")}, **cp}
+        names = ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "zero_stage"]
+        names += ["expert_parallel_size"] + (["context_parallel_size"] if self.context_parallel_size > 1 else [])
+        return {k: getattr(self, k) for k in names}
 
     def describe(self) -> str:
         ep = f" ep{self.expert_parallel_size}" if self.expert_parallel_size > 1 else ""
