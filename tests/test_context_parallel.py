@@ -34,6 +34,7 @@ def _scenario(name: str, model: str, strategy: dict[str, Any], dp: int, **extra:
 
 
 CP2 = {"context_parallel_size": 2}
+MISTRAL = {"head_dim": 8, "intermediate_size": 64, "num_key_value_heads": 2}
 CP2_TP2_PP2 = {**CP2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
 # name -> (scenario, world)
 PARITY: dict[str, tuple[dict[str, Any], int]] = {
@@ -45,6 +46,8 @@ PARITY: dict[str, tuple[dict[str, Any], int]] = {
             _scenario("hf-gpt2-cp2", "hf-gpt2", CP2, 1),  # learned absolute positions
             _scenario("hf-qwen3-cp2", "hf-qwen3", CP2, 1),
             _scenario("hf-bert-cp2", "hf-bert", CP2, 1),  # bidirectional: no causal mask
+            # its sliding window (4096 by default) is longer than the sequence: nothing to mask
+            {**_scenario("hf-mistral-cp2", "hf-mistral", CP2, 1), "model_kwargs": MISTRAL},
             _scenario("labels-llama-cp2", "cp-labels-llama", CP2, 1),
         ],
         4: [
@@ -65,20 +68,23 @@ PARITY: dict[str, tuple[dict[str, Any], int]] = {
     for s in scenarios
 }
 REFUSED = _scenario("nanogpt-refused", "nanogpt", CP2, 1, expect_error=True)
+# attention soft-capping: asked of the attention function at the first forward, refused there on every rank
+SOFTCAP = {**_scenario("hf-gemma2-refused", "hf-gemma2", CP2, 1, expect_error=True), "model_kwargs": {"head_dim": 8}}
 # a checkpoint saved at step 2 (ZeRO-1 shards over the data dimension, replicas x context ranks), resumed to step 4
 RESUMED = {**_scenario("hf-llama-cp2-resume", "hf-llama", {**CP2, "zero_stage": 1}, 1, resume_after=2), "steps": 4}
 for _world in (2, 4, 8):
     share(_world, [s for s, w in PARITY.values() if w == _world])
-share(2, [REFUSED, RESUMED])
+share(2, [REFUSED, SOFTCAP, RESUMED])
 
 
 @functools.cache
 def _reference(model: str, dp: int) -> dict[str, Any]:
+    kwargs = LITGPT if model.startswith("litgpt") else MISTRAL if model == "hf-mistral" else {}
     return run_reference(
         {
             "name": "reference",
             "model": model,
-            "model_kwargs": LITGPT if model.startswith("litgpt") else {},
+            "model_kwargs": kwargs,
             "dataset": "tokens",
             "steps": STEPS,
             "batch_size": BATCH,
@@ -126,10 +132,13 @@ def test_a_checkpoint_saved_under_context_parallel_resumes_exactly(groups) -> No
 
 
 @pytest.mark.timeout(1800)
-def test_a_network_computing_its_own_positions_is_refused_on_every_rank(groups) -> None:
+def test_a_network_computing_its_own_positions_or_soft_capping_attention_is_refused_on_every_rank(groups) -> None:
     messages = groups(2).expected_errors(REFUSED["name"])
     assert len(messages) == 2 and len(set(messages)) == 1, messages
     assert messages[0].startswith("HybridConfigError: `context_parallel_size=2`: NanoGPT holds no attention"), messages
+    messages = groups(2).expected_errors(SOFTCAP["name"])
+    assert len(messages) == 2 and len(set(messages)) == 1, messages
+    assert "Gemma2Attention asks attention for ['softcap']" in messages[0], messages
 
 
 # ------------------------------------------------------------------------------------------------ single process

@@ -63,7 +63,12 @@ def _hf_attention(
     """transformers' attention interface: the whole sequence's causal (or, for an encoder, full) attention with
     torch's SDPA; the mask transformers built for this rank's tokens is not used (padding is refused earlier)."""
     shard: ContextShard = getattr(module, SHARD_ATTRIBUTE)
+    whole = query.size(2) * shard.size
+    # a sliding window as long as the sequence masks nothing (Mistral's default of 4096 on shorter sequences)
+    window = kwargs.get("sliding_window")
     asked = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if isinstance(window, int) and window >= whole:
+        asked.remove("sliding_window")
     if asked:
         raise HybridConfigError(
             f"`context_parallel_size={shard.size}`: {type(module).__name__} asks attention for {asked}, which context"
