@@ -224,7 +224,8 @@ def gather_rank_devices(device: torch.device) -> list[tuple[str, str, int]]:
 
 
 def format_rank_table(layout: ParallelLayout, rank_devices: list[tuple[str, str, int]]) -> str:
-    """One compact table: the layout, then each rank's (pipeline, data, tensor) coordinates and device."""
+    """One compact table: the layout, then each rank's (pipeline, data, tensor) coordinates (and its context rank
+    under context parallel) and device."""
     head = (
         f"lightning-hybrid: world={layout.world_size}  tp={layout.tensor_parallel_size}"
         f"  pp={layout.pipeline_parallel_size}  dp={layout.data_parallel_size}  zero_stage={layout.zero_stage}"
@@ -233,10 +234,12 @@ def format_rank_table(layout: ParallelLayout, rank_devices: list[tuple[str, str,
     )
     extras = "  ".join(f"{k}={v}" for k, v in layout.recorded_options().items())
     lines = [head] + ([f"  {extras}"] if extras else [])
-    lines.append(f"  {'rank':>4}  {'pp':>2} {'dp':>2} {'tp':>2}  device")
+    cp = layout.context_parallel_size  # the mesh's data coordinate is replica x cp + context rank
+    lines.append(f"  {'rank':>4}  {'pp':>2} {'dp':>2}{' cp' if cp > 1 else ''} {'tp':>2}  device")
     for rank, (host, device, _) in enumerate(rank_devices):
         p, d, t = layout.coordinates(rank)
-        lines.append(f"  {rank:>4}  {p:>2} {d:>2} {t:>2}  {host}:{device}")
+        context = f" {d % cp:>2}" if cp > 1 else ""
+        lines.append(f"  {rank:>4}  {p:>2} {d // cp:>2}{context} {t:>2}  {host}:{device}")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from lightning_hybrid import HybridConfigError, HybridStrategy, ParallelLayout
 from lightning_hybrid.context_parallel import plan_context_parallel, shard_batch
+from lightning_hybrid.topology import format_rank_table
 from tests.conftest import relative_error, share
 from tests.harness import build_module, run_reference
 
@@ -148,6 +149,9 @@ def test_layout_counts_context_ranks() -> None:
     # tensor fastest, then context, then replicas (Megatron's order): ranks 0-3 are replica 0's tp x cp
     assert [layout.coordinates(r)[1] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert layout.as_dict()["context_parallel_size"] == 2
+    table = format_rank_table(layout, [("host", "cpu", 0)] * 16).splitlines()
+    assert table[1].split() == ["rank", "pp", "dp", "cp", "tp", "device"]
+    assert table[2 + 6].split()[:5] == ["6", "0", "1", "1", "0"]  # rank 6: replica 1, context rank 1, tensor 0
     names = r"tensor_parallel_size x pipeline_parallel_size x context_parallel_size"
     with pytest.raises(HybridConfigError, match=names):
         ParallelLayout.resolve(world_size=6, tensor_parallel_size=2, context_parallel_size=2)
