@@ -78,10 +78,12 @@ def check_sizes(
     zero_stage: Any,
     sequence_parallel: bool = False,
     expert_parallel_size: Any = 1,
+    context_parallel_size: Any = 1,
 ) -> None:
     """The checks that need no world size (run in the strategy's constructor, on every rank alike)."""
     tp = check_positive_int("tensor_parallel_size", tensor_parallel_size)
     check_positive_int("expert_parallel_size", expert_parallel_size)
+    cp = check_positive_int("context_parallel_size", context_parallel_size)
     check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
     if data_parallel_size != "auto":
         check_positive_int("data_parallel_size", data_parallel_size)
@@ -94,6 +96,11 @@ def check_sizes(
         raise HybridConfigError(
             "`sequence_parallel=True` needs `tensor_parallel_size` > 1: sequence parallelism splits the"
             " activations between tensor-parallel regions across the tensor-parallel ranks."
+        )
+    if cp > 1 and sequence_parallel:
+        raise HybridConfigError(
+            f"`context_parallel_size={cp}` does not run with `sequence_parallel=True` yet: both split the sequence."
+            " Set `sequence_parallel=False` (docs/context-parallel.md)."
         )
 
 

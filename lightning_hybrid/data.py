@@ -1,4 +1,5 @@
-"""Resuming mid-epoch at the right batch, and checking that a replica's ranks receive one batch.
+"""Resuming mid-epoch at the right batch, checking that a replica's ranks receive one batch, and each context rank's
+part of the sequence.
 
 Lightning restarts a plain (non-stateful) DataLoader from its first batch when a run resumes from a checkpoint taken
 mid-epoch, while counting the epoch's batches as already done: the first batches would be seen twice and the last
@@ -16,11 +17,14 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_hybrid._lightning_compat import finished_batches_of_epoch
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.context_parallel import shard_batch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SkipOnResume", "check_replica_batches", "skip_finished_batches"]
+    from lightning_hybrid.layout import ParallelLayout
+
+__all__ = ["SkipOnResume", "check_replica_batches", "sequence_part", "skip_finished_batches"]
 
 
 def _fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
@@ -63,6 +67,17 @@ def check_replica_batches(batch: Any, mesh: DeviceMesh, device: torch.device) ->
                 " `trainer.strategy.distributed_sampler_kwargs` (its `num_replicas` and `rank` are the data-parallel"
                 " size and this rank's replica); an IterableDataset likewise."
             )
+
+
+def sequence_part(batch: Any, layout: ParallelLayout, mesh: DeviceMesh) -> Any:
+    """This rank's contiguous part of the batch's sequence under context parallel (``batch`` itself without): the
+    context ranks of a replica are consecutive in the mesh's data dimension (``ParallelLayout.data_dimension_size``).
+
+    Example:
+        >>> # batch = sequence_part(batch, strategy.layout, strategy.device_mesh)  # in batch_to_device
+    """
+    cp = layout.context_parallel_size
+    return shard_batch(batch, mesh["data"].get_local_rank() % cp, cp) if cp > 1 else batch
 
 
 def skip_finished_batches(dataloader: Any, trainer: Any) -> Any:

@@ -43,6 +43,7 @@ class LayoutRequest:
     zero_stage: int = 1
     sequence_parallel: bool = False
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     zero: ZeroOptions = field(default_factory=ZeroOptions)
@@ -55,29 +56,35 @@ class LayoutRequest:
             zero_stage=self.zero_stage,
             sequence_parallel=self.sequence_parallel,
             expert_parallel_size=self.expert_parallel_size,
+            context_parallel_size=self.context_parallel_size,
         )
         self.pipeline.check_stages(self.pipeline_parallel_size)
+        _check_context_parallel(self)
 
     def resolve(self, world_size: int) -> ParallelLayout:
         """Validate the sizes against the world size and fill in ``data_parallel_size="auto"`` and the micro-batch
         count."""
         check_positive_int("world_size", world_size)
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if world_size % (tp * pp) != 0:
+        tp, pp, cp = self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size
+        # the context-parallel size joins the product only when used, so the messages without it stay as they were
+        names, sizes = ("tensor_parallel_size x pipeline_parallel_size", f"{tp} x {pp}")
+        if cp > 1:
+            names, sizes = f"{names} x context_parallel_size", f"{sizes} x {cp}"
+        model = tp * pp * cp
+        if world_size % model != 0:
             raise HybridConfigError(
-                f"The world size ({world_size}) is not divisible by tensor_parallel_size x pipeline_parallel_size"
-                f" ({tp} x {pp} = {tp * pp}). Change `tensor_parallel_size`/`pipeline_parallel_size`, or launch a"
-                f" multiple of {tp * pp} processes (devices x num_nodes)."
+                f"The world size ({world_size}) is not divisible by {names} ({sizes} = {model}). Change"
+                f" `{names.replace(' x ', '`/`')}`, or launch a multiple of {model} processes (devices x num_nodes)."
             )
         if self.data_parallel_size == "auto":
-            dp = world_size // (tp * pp)
+            dp = world_size // model
         else:
             dp = self.data_parallel_size
-            if tp * pp * dp != world_size:
+            if model * dp != world_size:
                 raise HybridConfigError(
-                    f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {tp} x {pp} x {dp} ="
-                    f" {tp * pp * dp}, but the world size is {world_size}. Set `data_parallel_size='auto'`"
-                    f" (= {world_size // (tp * pp)}) or change the sizes so that their product is {world_size}."
+                    f"{names} x data_parallel_size = {sizes} x {dp} = {model * dp}, but the world size is"
+                    f" {world_size}. Set `data_parallel_size='auto'` (= {world_size // model}) or change the sizes so"
+                    f" that their product is {world_size}."
                 )
         _check_expert_parallel(self.expert_parallel_size, dp, self.sequence_parallel)
         return ParallelLayout(
@@ -88,6 +95,7 @@ class LayoutRequest:
             zero_stage=self.zero_stage,
             sequence_parallel=self.sequence_parallel,
             expert_parallel_size=self.expert_parallel_size,
+            context_parallel_size=cp,
             tensor_parallel=self.tensor_parallel,
             pipeline=replace(self.pipeline, num_microbatches=self.pipeline.num_microbatches or pp),
             zero=self.zero,
@@ -119,6 +127,10 @@ class ParallelLayout:
     expert_parallel_size: int = 1
     """Ranks of the data-parallel dimension that split each MoE layer's experts (consecutive data-parallel
     ranks); the dense weights stay data parallel over all of them."""
+    context_parallel_size: int = 1
+    """Ranks that split each sample's sequence (docs/context-parallel.md). They hold the same weights as the
+    replicas do: the mesh's ``data`` dimension spans both (``data_dimension_size``), and gradients are averaged and
+    ZeRO-sharded over all of it, as Megatron's data-and-context-parallel group."""
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
     """How layers are split over the tensor dimension."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
@@ -132,9 +144,16 @@ class ParallelLayout:
         fields of :class:`LayoutRequest`)."""
         return LayoutRequest(**request).resolve(world_size)
 
+    @property
+    def data_dimension_size(self) -> int:
+        """The size of the mesh's ``data`` dimension: replicas x context-parallel ranks (each replica's
+        context-parallel ranks consecutive in it, tensor still fastest: Megatron's tp-cp-dp-pp order)."""
+        return self.data_parallel_size * self.context_parallel_size
+
     def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """(pipeline, data, tensor) coordinates of a global rank; tensor varies fastest (Megatron's rank order)."""
-        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        """(pipeline, data, tensor) coordinates of a global rank in the mesh; tensor varies fastest (Megatron's rank
+        order). Under context parallel the data coordinate is replica x context_parallel_size + context rank."""
+        tp, dp = self.tensor_parallel_size, self.data_dimension_size
         return rank // (tp * dp), (rank // tp) % dp, rank % tp
 
     def recorded_options(self) -> dict[str, Any]:
@@ -153,6 +172,8 @@ class ParallelLayout:
         """The layout as plain types (for loggers, checkpoints and the start-up table)."""
         sizes = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "zero_stage")
         ep = {"expert_parallel_size": self.expert_parallel_size} if self.expert_parallel_size > 1 else {}
+        if self.context_parallel_size > 1:
+            ep["context_parallel_size"] = self.context_parallel_size
         return {**{k: getattr(self, k) for k in sizes}, "sequence_parallel": self.sequence_parallel, **ep,
                 **self.recorded_options()}  # fmt: skip
 
@@ -172,6 +193,31 @@ def _check_expert_parallel(ep: int, dp: int, sequence_parallel: bool) -> None:
         raise HybridConfigError(
             f"`expert_parallel_size={ep}` does not run with `sequence_parallel=True` yet: each tensor-parallel rank"
             " would route only its part of the sequence. Set `sequence_parallel=False` (docs/expert-parallel.md)."
+        )
+
+
+def _check_context_parallel(request: LayoutRequest) -> None:
+    """What context parallel does not compose with yet, refused at construction (every rank alike)."""
+    cp = request.context_parallel_size
+    if cp == 1:
+        return
+    checks = {"verify_tensor_parallel": request.tensor_parallel.verify_tensor_parallel,
+              "verify_pipeline": request.pipeline.verify_pipeline}  # fmt: skip
+    for name, value in checks.items():
+        if value is True:
+            # the check's unsplit copy runs on one rank, where attention's all-to-all would wait for the other
+            # context ranks
+            raise HybridConfigError(
+                f"`context_parallel_size={cp}` does not run with `{name}=True`: the check's unsplit copy runs on one"
+                " rank, and attention under context parallel needs every context rank. Leave it 'auto' (off under"
+                " context parallel) or False."
+            )
+    if request.expert_parallel_size > 1:
+        # expert parallel's mesh splits the data dimension by replicas only
+        raise HybridConfigError(
+            f"`context_parallel_size={cp}` does not run with `expert_parallel_size={request.expert_parallel_size}`"
+            " yet. Use `expert_parallel_size=1` with context parallel, or `context_parallel_size=1`"
+            " (docs/context-parallel.md)."
         )
 
 
@@ -200,7 +246,7 @@ def check_compile(value: Any, request: LayoutRequest) -> None:
 
 
 _DEFAULT_SIZES = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": "auto", "zero_stage": 1,
-                  "expert_parallel_size": 1}  # fmt: skip
+                  "expert_parallel_size": 1, "context_parallel_size": 1}  # fmt: skip
 
 
 def check_auto_layout(layout: Optional[str], sizes: dict[str, Any], num_microbatches: Optional[int]) -> None:
@@ -269,6 +315,7 @@ class StrategyOptions:
         tensor_parallel_plan: Any = "auto",
         sequence_parallel: bool = False,
         expert_parallel_size: Any = 1,
+        context_parallel_size: Any = 1,
         activation_checkpointing: Any = False,
         vocab_parallel_loss: bool = True,
         transformer_blocks: Optional[str] = None,
@@ -318,6 +365,7 @@ class StrategyOptions:
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
             expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
             tensor_parallel=sections["tensor_parallel"],
             pipeline=sections["pipeline"],
             zero=sections["zero"],

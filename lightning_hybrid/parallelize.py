@@ -24,6 +24,7 @@ from lightning_hybrid.agreement import computed_on_one_rank, raise_together
 from lightning_hybrid.batch_norm import sync_batch_norm
 from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.context_parallel import ContextShard, apply_context_parallel, plan_context_parallel
 from lightning_hybrid.expert_parallel import ExpertShards, apply_expert_parallel, find_expert_modules, shard_experts
 from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
@@ -134,6 +135,7 @@ def parallelize(
     options: ModelOptions,
     precision: HybridPrecision,
     expert_mesh: Optional[DeviceMesh] = None,
+    context_mesh: Optional[DeviceMesh] = None,
 ) -> Parallelized:
     """Split and shard ``module`` in place for ``layout`` on ``mesh``; collective-free where a failure on one rank
     must be raised on all (``raise_together``).
@@ -165,6 +167,8 @@ def parallelize(
         structure = find_model_structure(module, options.transformer_blocks, needed_by)
         if layout.expert_parallel_size > 1:
             _check_experts_dispatchable(module, layout)
+        cp = layout.context_parallel_size
+        context = plan_context_parallel(module, cp, layout.tensor_parallel_size) if cp > 1 else None
         if layout.tensor_parallel_size > 1 and not user_parallelized:
             plan = build_tensor_parallel_plan(
                 module, structure, tp_options.plan, vocab_parallel_loss=tp_options.vocab_parallel_loss
@@ -175,7 +179,11 @@ def parallelize(
     # 2. pipeline parallel: the cut (this rank keeps its stages; the others' blocks become stubs)
     cut = _cut_pipeline(module, structure, layout, mesh, precision) if layout.pipeline_parallel_size > 1 else None
     tp_verifier = None
-    if cut is None and plan is not None:  # verify_tensor_parallel: the unsplit copy is taken before the split
+    if context is not None:  # before the split: the hooks read what tensor parallel leaves of each head
+        apply_context_parallel(context, ContextShard.of(context_mesh["context"].get_group()))
+    # verify_tensor_parallel: the unsplit copy is taken before the split (not under context parallel: its copy runs
+    # on one rank, and attention there needs every context rank)
+    if cut is None and plan is not None and context is None:
         network = module.get_submodule(structure.network_name) if structure.network_name else module
         tp_verifier = make_verifier(
             tp_options.verify_tensor_parallel, module, network, mesh, precision=precision.precision, last_stage_rank=0,
@@ -396,8 +404,8 @@ def _cut_pipeline(
             owner_style="v" if options.schedule == "zbv_zero_bubble" else "loop",
         )
         pipeline_rank = mesh["pipeline"].get_local_rank()
-        verifier = make_verifier(
-            options.verify_pipeline,
+        verifier = make_verifier(  # not under context parallel: the copy runs on one rank, attention needs them all
+            options.verify_pipeline if layout.context_parallel_size == 1 else False,
             module,
             network,
             mesh,

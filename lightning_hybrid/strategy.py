@@ -32,7 +32,7 @@ from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_w
 from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints
 from lightning_hybrid.config import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
 from lightning_hybrid.construction.deferred import DeferredConstruction
-from lightning_hybrid.data import skip_finished_batches
+from lightning_hybrid.data import sequence_part, skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout, StrategyOptions
 from lightning_hybrid.module_step import check_manual_optimization, loss_context, step_hook
 from lightning_hybrid.monitoring.callback import HybridMonitor
@@ -119,6 +119,7 @@ class HybridStrategy(ParallelStrategy):
             block type, reused by every block), after tensor parallel and activation checkpointing, before ZeRO-3
             (docs/compile.md).
         expert_parallel_size: data-parallel ranks that split each MoE layer's experts (docs/expert-parallel.md).
+        context_parallel_size: ranks that split each sample's sequence, attention exact (docs/context-parallel.md).
         tensor_parallel: the tensor-parallel options as one :class:`~lightning_hybrid.TensorParallelOptions`
             (``plan``, ``vocab_parallel_loss``, ``verify_tensor_parallel``).
         pipeline: the pipeline options as one :class:`~lightning_hybrid.PipelineOptions` (``num_microbatches``,
@@ -137,13 +138,10 @@ class HybridStrategy(ParallelStrategy):
 
         >>> from lightning_hybrid import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
         >>> strategy = HybridStrategy(
-        ...     tensor_parallel_size=2,
-        ...     pipeline_parallel_size=2,
-        ...     zero_stage=1,
+        ...     tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1,
         ...     tensor_parallel=TensorParallelOptions(plan={"*.mlp.c_fc": "colwise", "*.mlp.c_proj": "rowwise"}),
         ...     pipeline=PipelineOptions(schedule="interleaved_1f1b", virtual_pipeline_size=2, num_microbatches=4),
-        ...     zero=ZeroOptions(bucket_cap_mb=50),
-        ...     checkpoint=CheckpointOptions(async_checkpoint=True),
+        ...     zero=ZeroOptions(bucket_cap_mb=50), checkpoint=CheckpointOptions(async_checkpoint=True),
         ... )
         >>> trainer = Trainer(accelerator="cpu", devices=8, strategy=strategy, max_steps=10)  # tp=2 x pp=2 x dp=2
 
@@ -194,6 +192,7 @@ class HybridStrategy(ParallelStrategy):
         compile: bool = False,
         expert_parallel_size: int = 1,
         activation_checkpointing_every: int = 1,
+        context_parallel_size: int = 1,
         *,
         tensor_parallel: Optional[TensorParallelOptions] = None,
         pipeline: Optional[PipelineOptions] = None,
@@ -268,9 +267,9 @@ class HybridStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # only the data dimension splits the data: tensor (and pipeline) peers of a replica see the identical batch
-        data = self.device_mesh["data"]
-        return {"num_replicas": data.size(), "rank": data.get_local_rank()}
+        # replicas split the data: tensor, pipeline and context peers of a replica see the same samples
+        data, cp = self.device_mesh["data"], self.layout.context_parallel_size
+        return {"num_replicas": data.size() // cp, "rank": data.get_local_rank() // cp}
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -337,9 +336,8 @@ class HybridStrategy(ParallelStrategy):
                 layer_sync=compat.layer_sync(self),
             )
             deferred = self._deferred.plan(module, pipeline_partition=self.layout.pipeline.partition)
-            self.parallelized = parallelize(
-                module, self.layout, self.device_mesh, options, self.precision_plugin, self._topology.expert_mesh
-            )
+            self.parallelized = parallelize(module, self.layout, self.device_mesh, options, self.precision_plugin,
+                                            self._topology.expert_mesh, self._topology.context_mesh)  # fmt: skip
             pretrained = self._options.checkpoint.pretrained_weights
             if deferred is not None:  # built on meta: only now, split, does this rank get memory for its shards
                 unsplit_copy = getattr(self.parallelized.verifier, "reference", None)
@@ -377,15 +375,8 @@ class HybridStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         if self._optimizer_step is not None:  # a second fit on the same strategy: the old buckets stop listening
             self._optimizer_step.gradients.close()
-        gradients = GradientStep.for_layout(
-            self.lightning_module,
-            self.optimizers,
-            self.layout,
-            self.device_mesh,
-            self.parallelized,
-            self.precision_plugin,
-            self.root_device,
-        )
+        gradients = GradientStep.for_layout(self.lightning_module, self.optimizers, self.layout, self.device_mesh,
+                                            self.parallelized, self.precision_plugin, self.root_device)  # fmt: skip
         self._optimizer_step = OptimizerStep(gradients, self.precision_plugin)
         # Lightning's wrappers subclass each optimizer's class when made: made again, they see the class the ZeRO
         # wrappers gave it (a zero_grad that clears the model's gradients too, not only the masters')
@@ -395,6 +386,11 @@ class HybridStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        # under context parallel each context rank keeps its part of the sequence
+        return sequence_part(super().batch_to_device(batch, device, dataloader_idx), self.layout, self.device_mesh)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

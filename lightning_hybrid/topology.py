@@ -28,6 +28,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "reduce",
+    "build_context_mesh",
     "build_device_mesh",
     "build_expert_mesh",
     "init_process_groups",
@@ -53,7 +54,8 @@ def build_device_mesh(layout: ParallelLayout, device_type: str, timeout: Optiona
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (layout.pipeline_parallel_size, layout.data_parallel_size, layout.tensor_parallel_size)
+    # under context parallel the data dimension holds each replica's context-parallel ranks too (same weights)
+    shape = (layout.pipeline_parallel_size, layout.data_dimension_size, layout.tensor_parallel_size)
     key = (shape, device_type, dist.get_backend(), timeout)
     cached = _MESHES.get(key)
     if cached is not None and _groups_alive(cached):
@@ -83,22 +85,47 @@ def build_expert_mesh(layout: ParallelLayout, device_type: str, timeout: Optiona
         >>> # mesh = build_expert_mesh(layout, "cpu")
         >>> # mesh["expert"].size()  # -> 2
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     ep = layout.expert_parallel_size
     shape = (layout.pipeline_parallel_size, layout.data_parallel_size // ep, ep, layout.tensor_parallel_size)
-    key = (shape, device_type, dist.get_backend(), timeout, "expert")
+    return _split_data_mesh(shape, EXPERT_MESH_DIM_NAMES, device_type, timeout)
+
+
+CONTEXT_MESH_DIM_NAMES = ("pipeline", "replica", "context", "tensor")
+
+
+def build_context_mesh(layout: ParallelLayout, device_type: str, timeout: Optional[timedelta] = None) -> DeviceMesh:
+    """The mesh context parallel needs: the data dimension of :func:`build_device_mesh` split into ``replica`` x
+    ``context`` (each replica's context-parallel ranks consecutive, Megatron's tp-cp-dp-pp order), over the same ranks,
+    as the expert mesh is; its ``context`` groups carry the all-to-alls of attention (docs/context-parallel.md).
+
+    Example:
+        >>> # layout = ParallelLayout.resolve(world_size=4, context_parallel_size=2)
+        >>> # build_context_mesh(layout, "cpu")["context"].size()  # -> 2
+    """
+    shape = (layout.pipeline_parallel_size, layout.data_parallel_size, layout.context_parallel_size,
+             layout.tensor_parallel_size)  # fmt: skip
+    return _split_data_mesh(shape, CONTEXT_MESH_DIM_NAMES, device_type, timeout)
+
+
+def _split_data_mesh(
+    shape: tuple[int, ...], names: tuple[str, ...], device_type: str, timeout: Optional[timedelta]
+) -> DeviceMesh:
+    """A 4-D mesh whose middle dimensions split the data dimension (a mesh of its own, over the same ranks: torch's
+    ``DeviceMesh._unflatten`` would share the root mesh but is private)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (shape, device_type, dist.get_backend(), timeout, names)
     cached = _MESHES.get(key)
-    if cached is not None and _groups_alive(cached, EXPERT_MESH_DIM_NAMES):
+    if cached is not None and _groups_alive(cached, names):
         return cached
     world = dist.get_world_size()
     override = {}
-    for name, size in zip(EXPERT_MESH_DIM_NAMES, shape):
+    for name, size in zip(names, shape):
         if dist.get_backend() == "gloo" and size == world:
             override[name] = "gloo"  # a group of its own, not the default group (see _own_groups)
         elif timeout is not None and size < world:
             override[name] = _options(timeout)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIM_NAMES, backend_override=override or None)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
     _MESHES[key] = mesh
     return mesh
 
@@ -197,18 +224,22 @@ def gather_rank_devices(device: torch.device) -> list[tuple[str, str, int]]:
 
 
 def format_rank_table(layout: ParallelLayout, rank_devices: list[tuple[str, str, int]]) -> str:
-    """One compact table: the layout, then each rank's (pipeline, data, tensor) coordinates and device."""
+    """One compact table: the layout, then each rank's (pipeline, data, tensor) coordinates (and its context rank
+    under context parallel) and device."""
     head = (
         f"lightning-hybrid: world={layout.world_size}  tp={layout.tensor_parallel_size}"
         f"  pp={layout.pipeline_parallel_size}  dp={layout.data_parallel_size}  zero_stage={layout.zero_stage}"
         f"  sequence_parallel={layout.sequence_parallel}"
+        + (f"  cp={layout.context_parallel_size}" if layout.context_parallel_size > 1 else "")
     )
     extras = "  ".join(f"{k}={v}" for k, v in layout.recorded_options().items())
     lines = [head] + ([f"  {extras}"] if extras else [])
-    lines.append(f"  {'rank':>4}  {'pp':>2} {'dp':>2} {'tp':>2}  device")
+    cp = layout.context_parallel_size  # the mesh's data coordinate is replica x cp + context rank
+    lines.append(f"  {'rank':>4}  {'pp':>2} {'dp':>2}{' cp' if cp > 1 else ''} {'tp':>2}  device")
     for rank, (host, device, _) in enumerate(rank_devices):
         p, d, t = layout.coordinates(rank)
-        lines.append(f"  {rank:>4}  {p:>2} {d:>2} {t:>2}  {host}:{device}")
+        context = f" {d % cp:>2}" if cp > 1 else ""
+        lines.append(f"  {rank:>4}  {p:>2} {d // cp:>2}{context} {t:>2}  {host}:{device}")
     return "\n".join(lines)
 
 
@@ -257,6 +288,8 @@ class Topology:
     backend: str
     expert_mesh: Optional[DeviceMesh] = None
     """The ``("pipeline", "expert_data", "expert", "tensor")`` mesh under expert parallel (None without)."""
+    context_mesh: Optional[DeviceMesh] = None
+    """The ``("pipeline", "replica", "context", "tensor")`` mesh under context parallel (None without)."""
 
 
 def start_topology(
@@ -277,9 +310,10 @@ def start_topology(
     watchdog = HangWatchdog(mesh, timeout, backend)
     watchdog.start()
     expert_mesh = build_expert_mesh(layout, device.type, timeout) if layout.expert_parallel_size > 1 else None
+    context_mesh = build_context_mesh(layout, device.type, timeout) if layout.context_parallel_size > 1 else None
     topology = Topology(
         layout=layout, mesh=mesh, data_group=mesh["data"].get_group(), watchdog=watchdog, backend=backend,
-        expert_mesh=expert_mesh,
+        expert_mesh=expert_mesh, context_mesh=context_mesh,
     )  # fmt: skip
     rank_zero_info(format_rank_table(layout, gather_rank_devices(device)))
     return topology

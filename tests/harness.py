@@ -77,6 +77,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
 
         module = build_foreign_module(model, **kwargs)
     if module is None:
+        from tests.context_models import build_context_module
+
+        module = build_context_module(model, **kwargs)
+    if module is None:
         raise ValueError(model)
     return module
 

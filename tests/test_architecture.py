@@ -109,6 +109,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "lightning_hybrid.pipeline.*", "lightning_hybrid.sharding*", "lightning_hybrid.activation_checkpointing",
         "lightning_hybrid.compile", "lightning_hybrid.construction*", "lightning_hybrid.watchdog",
         "lightning_hybrid.expert_parallel*",
+        "lightning_hybrid.context_parallel*",
         "lightning_hybrid.planning*", "lightning_hybrid.checkpoint.tensors", "lightning_hybrid.checkpoint.format",
         "lightning_hybrid.checkpoint.integrity", "lightning_hybrid.checkpoint.optimizer",
         "lightning_hybrid.checkpoint.consolidate", "lightning_hybrid.monitoring.comm",

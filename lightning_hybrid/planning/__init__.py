@@ -94,6 +94,7 @@ def plan(
     mfu: float = 0.4,
     sequence_parallel: bool = True,
     expert_parallel_size: Optional[int] = None,
+    context_parallel_size: int = 1,
 ) -> Plan:
     """Rank every layout of a cluster for a model: per-device ledger, estimated step time, and why each that does
     not fit fails.
@@ -111,8 +112,9 @@ def plan(
     Mixture of experts (raw sizes ``experts``, ``top_k``, ``expert_ffn``, ``shared_experts``, ``shared_ffn``,
     ``dense_layers``; or read from the HF config or module): layouts with expert parallel are searched too, over the
     powers of two dividing both the data-parallel size and the expert count, unless ``expert_parallel_size`` fixes
-    it (1: none). Layouts the strategy refuses (with tensor parallel, expert parallel needs
-    ``sequence_parallel=False``; not with '-true' precisions) are not ranked.
+    it (1: none). ``context_parallel_size`` (fixed, not searched) splits each sample's sequence: activations per
+    rank are those of seq / cp tokens, ZeRO shards over replicas x context ranks. Layouts the strategy refuses (with
+    tensor parallel, expert parallel needs ``sequence_parallel=False``; not with '-true' precisions) are not ranked.
 
     Example:
         >>> p = plan(params=6.7e9, layers=32, hidden=4096, heads=32, vocab=32000, seq=2048, micro_batch=1,
@@ -164,7 +166,7 @@ def plan(
     layouts = search(spec, hw, setup, tensor_parallel_size=tensor_parallel_size,
                      pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
                      zero_stage=zero_stage, num_microbatches=num_microbatches, recompute=recompute,
-                     expert_parallel_size=ep)  # fmt: skip
+                     expert_parallel_size=ep, context_parallel_size=context_parallel_size)  # fmt: skip
     if not layouts:
         moe = (f"; expert={ep} must divide the data-parallel size, and with tensor parallel it runs only without"
                " sequence parallel") if ep and ep > 1 else ""  # fmt: skip

@@ -84,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     fix.add_argument(
         "--expert-parallel-size", type=int, help="MoE: ranks of the data-parallel dimension splitting the experts"
     )
+    fix.add_argument("--context-parallel-size", type=int, default=1, help="ranks splitting each sample's sequence")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help='print JSON: {"layouts": [...]}, best first')
     out.add_argument("--png", help="also write stacked bars per layout to this PNG file")
@@ -134,6 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             attention=args.attention,
             sequence_parallel=not args.no_sequence_parallel,
             expert_parallel_size=args.expert_parallel_size,
+            context_parallel_size=args.context_parallel_size,
         )
     except HybridConfigError as error:
         raise SystemExit(f"lightning-hybrid plan: {error}") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from lightning_hybrid.config import HybridConfigError, PipelineOptions
@@ -51,14 +51,18 @@ class Candidate:
     virtual_stages: int = 1
     expert_parallel_size: int = 1
     """Data-parallel ranks each MoE layer's experts are split over (1: not split)."""
+    context_parallel_size: int = 1
+    """Ranks each sample's sequence is split over (fixed by the caller, not searched)."""
 
     def sizes(self) -> dict[str, int]:
         """The layout's sizes, keyed like ``HybridStrategy``'s arguments."""
-        return {k: getattr(self, k) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                                              "zero_stage", "expert_parallel_size")}  # fmt: skip
+        names = ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "zero_stage"]
+        names += ["expert_parallel_size"] + (["context_parallel_size"] if self.context_parallel_size > 1 else [])
+        return {k: getattr(self, k) for k in names}
 
     def describe(self) -> str:
         ep = f" ep{self.expert_parallel_size}" if self.expert_parallel_size > 1 else ""
+        ep += f" cp{self.context_parallel_size}" if self.context_parallel_size > 1 else ""
         return (f"tp{self.tensor_parallel_size} x pp{self.pipeline_parallel_size} x dp{self.data_parallel_size}{ep}"
                 f" zero{self.zero_stage} m{self.num_microbatches} {self.recompute}")  # fmt: skip
 
@@ -83,8 +87,18 @@ class Evaluated:
         return self.step.total / self.tokens if self.step is not None and self.tokens else math.inf
 
 
+def _context_local(spec: ModelSpec, c: Candidate) -> ModelSpec:
+    """Under context parallel each rank holds seq / cp tokens of every sample: its activations are those of a
+    sequence cp times shorter (attention's heads / cp over the whole sequence save as much under flash attention;
+    eager scores, heads / cp x seq^2, are counted cp times too small)."""
+    return replace(spec, seq=spec.seq // c.context_parallel_size) if c.context_parallel_size > 1 else spec
+
+
 def _stage_ledger(spec: ModelSpec, setup: Setup, c: Candidate, first: bool, last: bool) -> tuple[Ledger, dict]:
-    t, p, d, ep = c.tensor_parallel_size, c.pipeline_parallel_size, c.data_parallel_size, c.expert_parallel_size
+    t, p, ep = c.tensor_parallel_size, c.pipeline_parallel_size, c.expert_parallel_size
+    # gradients average, and ZeRO shards, over the mesh's data dimension: replicas x context ranks
+    d = c.data_parallel_size * c.context_parallel_size
+    spec = _context_local(spec, c)
     blocks = math.ceil(spec.layers / p)
     start = 0 if first else spec.layers - blocks
     dense_params, expert_params = spec.stage_params(start, start + blocks)
@@ -188,6 +202,9 @@ def _structural_reason(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate
     uneven = [f"{k}={v}" for k, v in widths.items() if v % t]
     if uneven:
         return f"tensor_parallel_size={t} does not divide {', '.join(uneven)}"
+    cp = c.context_parallel_size
+    if spec.heads % (t * cp) or spec.seq % cp:
+        return f"tensor x context parallel ({t} x {cp}) does not divide heads={spec.heads}, or {cp} seq={spec.seq}"
     if spec.layers < p * c.virtual_stages:
         return f"{spec.layers} layers cannot fill {p * c.virtual_stages} pipeline stages"
     return None
@@ -212,8 +229,10 @@ def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evalu
     if structural:
         return Evaluated(c, ledger, None, False, structural, tokens, details=details)
     grad_bytes = PRECISION_BYTES[setup.precision][1]
-    step = estimate_step_time(spec, hw, tensor_parallel_size=c.tensor_parallel_size, pipeline_parallel_size=p,
-                              data_parallel_size=c.data_parallel_size, zero_stage=c.zero_stage,
+    # per rank: seq / cp tokens, gradients reduced over replicas x context ranks (the all-to-alls not counted)
+    step = estimate_step_time(_context_local(spec, c), hw, tensor_parallel_size=c.tensor_parallel_size,
+                              pipeline_parallel_size=p, zero_stage=c.zero_stage,
+                              data_parallel_size=c.data_parallel_size * c.context_parallel_size,
                               micro_batch=setup.micro_batch, num_microbatches=c.num_microbatches,
                               grad_bytes=grad_bytes, act_bytes=PRECISION_BYTES[setup.precision][3],
                               schedule=c.schedule, virtual=c.virtual_stages, recompute=c.recompute,
@@ -254,12 +273,15 @@ def search(
     num_microbatches: Optional[int] = None,
     recompute: Optional[str] = None,
     expert_parallel_size: Optional[int] = None,
+    context_parallel_size: int = 1,
 ) -> list[Evaluated]:
     """Every layout of the cluster (tensor parallel within a node, any pipeline depth dividing the rest, for a
     mixture-of-experts model expert parallel over a power of two dividing the data-parallel size and the expert
     count), each given dimension fixed; ranked: feasible layouts by estimated time per token, then the infeasible by
-    peak memory. Layouts the strategy would refuse (:func:`expert_refusal`) are left out."""
-    world = hw.world_size
+    peak memory. Layouts the strategy would refuse (:func:`expert_refusal`) are left out. ``context_parallel_size``
+    is fixed: the other sizes divide the world / cp."""
+    cp = context_parallel_size
+    world = hw.world_size // cp
     tps = [tensor_parallel_size] if tensor_parallel_size else _powers_of_two_upto(min(world, hw.devices_per_node))
     out: list[Evaluated] = []
     for t in tps:
@@ -282,7 +304,9 @@ def search(
                 eps = [e for e in _powers_of_two_upto(d) if e == 1 or (spec.is_moe and spec.experts % e == 0)]
             for z, ep, r in itertools.product(zeros, eps, [recompute] if recompute else RECOMPUTES):
                 c = Candidate(t, p, d, z, m, r, setup.schedule if p > 1 else "1f1b", setup.virtual_stages
-                              if p > 1 else 1, ep)  # fmt: skip
+                              if p > 1 else 1, ep, cp)  # fmt: skip
+                if cp > 1 and ep > 1:  # the strategy refuses it
+                    continue
                 if expert_refusal(spec, setup, c) is None:
                     out.append(evaluate(spec, hw, setup, c))
     return rank(out)

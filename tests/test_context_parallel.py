@@ -1,0 +1,229 @@
+"""Context parallel (docs/context-parallel.md): each sample's sequence split over the context ranks of a replica,
+against one device of the same module, data and seed (fp32, 1e-5 relative: losses, final parameters, first-step
+gradients).
+
+Hugging Face Llama and litgpt's GPT built from configs, at cp2, cp4, cp2 x dp2 (ZeRO-2/3) and cp2 x tp2; families
+the implementation was not written against (GPT-2's learned positions, Qwen3's q/k norms, BERT's bidirectional
+encoder); a causal LM's own loss from ``labels=`` with ignored tokens, whose shift crosses the ranks' boundary and
+whose token counts differ between ranks. The multi-process scenarios run in the shared 2- and 4-process launches;
+refusals in one process where no process group is needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_hybrid import HybridConfigError, HybridStrategy, ParallelLayout
+from lightning_hybrid.context_parallel import plan_context_parallel, shard_batch
+from lightning_hybrid.topology import format_rank_table
+from tests.conftest import relative_error, share
+from tests.harness import build_module, run_reference
+
+STEPS, BATCH, TOL = 3, 4, 1e-5
+LITGPT = {"n_layer": 2}
+
+
+def _scenario(name: str, model: str, strategy: dict[str, Any], dp: int, **extra: Any) -> dict[str, Any]:
+    return {"name": f"cp-{name}", "model": model, "model_kwargs": LITGPT if model.startswith("litgpt") else {},
+            "dataset": "tokens", "strategy": strategy, "steps": STEPS, "batch_size": BATCH, "data_parallel_size": dp,
+            **extra}  # fmt: skip
+
+
+CP2 = {"context_parallel_size": 2}
+MISTRAL = {"head_dim": 8, "intermediate_size": 64, "num_key_value_heads": 2}
+CP2_TP2_PP2 = {**CP2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+# name -> (scenario, world)
+PARITY: dict[str, tuple[dict[str, Any], int]] = {
+    s["name"]: (s, world)
+    for world, scenarios in {
+        2: [
+            _scenario("hf-llama-cp2", "hf-llama", CP2, 1),
+            _scenario("litgpt-cp2", "litgpt_llama", CP2, 1),
+            _scenario("hf-gpt2-cp2", "hf-gpt2", CP2, 1),  # learned absolute positions
+            _scenario("hf-qwen3-cp2", "hf-qwen3", CP2, 1),
+            _scenario("hf-bert-cp2", "hf-bert", CP2, 1),  # bidirectional: no causal mask
+            # its sliding window (4096 by default) is longer than the sequence: nothing to mask
+            {**_scenario("hf-mistral-cp2", "hf-mistral", CP2, 1), "model_kwargs": MISTRAL},
+            _scenario("labels-llama-cp2", "cp-labels-llama", CP2, 1),
+        ],
+        4: [
+            _scenario("hf-llama-cp2-dp2-zero3", "hf-llama", {**CP2, "zero_stage": 3}, 2),
+            _scenario("hf-llama-cp2-tp2", "hf-llama", {**CP2, "tensor_parallel_size": 2}, 1),
+            _scenario("litgpt-cp2-dp2-zero2", "litgpt_llama", {**CP2, "zero_stage": 2}, 2),
+            # 2 key/value heads over 4 ranks: each query head's copy is exchanged
+            _scenario("hf-llama-cp4", "hf-llama", {"context_parallel_size": 4, "zero_stage": 3}, 1),
+            _scenario("hf-llama-cp2-pp2", "hf-llama", {**CP2, "pipeline_parallel_size": 2}, 1),
+            _scenario("litgpt-cp2-pp2", "litgpt_llama", {**CP2, "pipeline_parallel_size": 2}, 1),
+        ],
+        8: [
+            _scenario("hf-llama-cp2-tp2-pp2", "hf-llama", CP2_TP2_PP2, 1),
+            # litgpt's Pythia style: its fused qkv splits over tensor-parallel ranks (the Llama style's GQA one not)
+            _scenario("litgpt-pythia-cp2-tp2-pp2", "litgpt_pythia", CP2_TP2_PP2, 1),
+        ],
+    }.items()
+    for s in scenarios
+}
+REFUSED = _scenario("nanogpt-refused", "nanogpt", CP2, 1, expect_error=True)
+# attention soft-capping: asked of the attention function at the first forward, refused there on every rank
+SOFTCAP = {**_scenario("hf-gemma2-refused", "hf-gemma2", CP2, 1, expect_error=True), "model_kwargs": {"head_dim": 8}}
+# a checkpoint saved at step 2 (ZeRO-1 shards over the data dimension, replicas x context ranks), resumed to step 4
+RESUMED = {**_scenario("hf-llama-cp2-resume", "hf-llama", {**CP2, "zero_stage": 1}, 1, resume_after=2), "steps": 4}
+for _world in (2, 4, 8):
+    share(_world, [s for s, w in PARITY.values() if w == _world])
+share(2, [REFUSED, SOFTCAP, RESUMED])
+
+
+@functools.cache
+def _reference(model: str, dp: int) -> dict[str, Any]:
+    kwargs = LITGPT if model.startswith("litgpt") else MISTRAL if model == "hf-mistral" else {}
+    return run_reference(
+        {
+            "name": "reference",
+            "model": model,
+            "model_kwargs": kwargs,
+            "dataset": "tokens",
+            "steps": STEPS,
+            "batch_size": BATCH,
+            "data_parallel_size": dp,
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def groups(shared_groups):
+    return shared_groups
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", list(PARITY))
+def test_context_parallel_trains_like_one_device(groups, name: str) -> None:
+    scenario, world = PARITY[name]
+    result = groups(world).get(name)
+    reference = _reference(scenario["model"], scenario["data_parallel_size"])
+    assert result["layout"]["context_parallel_size"] == scenario["strategy"]["context_parallel_size"]
+    errors = [(abs(a - b) / abs(b), f"loss at step {i}")
+              for i, (a, b) in enumerate(zip(result["losses"], reference["losses"], strict=True))]  # fmt: skip
+    for kind in ("params", "grads"):
+        assert result[kind].keys() == reference[kind].keys(), kind
+        errors += [(relative_error(got, reference[kind][n]), f"{kind} {n}") for n, got in result[kind].items()]
+    err, where = max(errors, key=lambda e: e[0])
+    assert err <= TOL, f"{where}: relative error {err:.2e}"
+    # replicas split the data, context ranks of a replica read the same samples
+    samplers = [record["sampler"] for record in result["per_rank"]]
+    replica = scenario["strategy"]["context_parallel_size"] * result["layout"]["tensor_parallel_size"]
+    dp = result["layout"]["data_parallel_size"]
+    assert all(samplers[r] == samplers[(r // replica) % dp * replica] for r in range(world))
+    assert dp == 1 or samplers[0] != samplers[replica]
+
+
+@pytest.mark.timeout(1800)
+def test_a_checkpoint_saved_under_context_parallel_resumes_exactly(groups) -> None:
+    result = groups(2).get(RESUMED["name"])
+    reference = run_reference({**RESUMED, "strategy": None})
+    assert len(result["losses"]) == len(reference["losses"]) == 4
+    for got, want in zip(result["losses"], reference["losses"], strict=True):
+        assert abs(got - want) <= TOL * abs(want)
+    for name, want in reference["params"].items():
+        assert relative_error(result["params"][name], want) <= TOL, name
+
+
+@pytest.mark.timeout(1800)
+def test_a_network_computing_its_own_positions_or_soft_capping_attention_is_refused_on_every_rank(groups) -> None:
+    messages = groups(2).expected_errors(REFUSED["name"])
+    assert len(messages) == 2 and len(set(messages)) == 1, messages
+    assert messages[0].startswith("HybridConfigError: `context_parallel_size=2`: NanoGPT holds no attention"), messages
+    messages = groups(2).expected_errors(SOFTCAP["name"])
+    assert len(messages) == 2 and len(set(messages)) == 1, messages
+    assert "Gemma2Attention asks attention for ['softcap']" in messages[0], messages
+
+
+# ------------------------------------------------------------------------------------------------ single process
+def test_layout_counts_context_ranks() -> None:
+    layout = ParallelLayout.resolve(world_size=16, tensor_parallel_size=2, context_parallel_size=2)
+    assert (layout.data_parallel_size, layout.data_dimension_size) == (4, 8)
+    # tensor fastest, then context, then replicas (Megatron's order): ranks 0-3 are replica 0's tp x cp
+    assert [layout.coordinates(r)[1] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert layout.as_dict()["context_parallel_size"] == 2
+    table = format_rank_table(layout, [("host", "cpu", 0)] * 16).splitlines()
+    assert table[1].split() == ["rank", "pp", "dp", "cp", "tp", "device"]
+    assert table[2 + 6].split()[:5] == ["6", "0", "1", "1", "0"]  # rank 6: replica 1, context rank 1, tensor 0
+    names = r"tensor_parallel_size x pipeline_parallel_size x context_parallel_size"
+    with pytest.raises(HybridConfigError, match=names):
+        ParallelLayout.resolve(world_size=6, tensor_parallel_size=2, context_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ({"context_parallel_size": 0}, r"`context_parallel_size` must be a positive integer"),
+        ({"context_parallel_size": 2, "verify_pipeline": True}, r"verify_pipeline=True"),
+        ({"context_parallel_size": 2, "expert_parallel_size": 2}, r"`expert_parallel_size=2` yet"),
+        ({"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}, r"sequence_parallel"),
+        ({"context_parallel_size": 2, "verify_tensor_parallel": True}, r"verify_tensor_parallel=True"),
+        ({"context_parallel_size": 2, "layout": "auto"}, r"context_parallel_size=2"),
+    ],
+)
+def test_what_context_parallel_does_not_compose_with_is_refused_at_construction(arguments, match) -> None:
+    with pytest.raises(HybridConfigError, match=match):
+        HybridStrategy(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "match"),
+    [
+        ("nanogpt", {}, r"NanoGPT holds no attention that context parallel can split"),
+        ("torch-encoder", {}, r"holds no attention that context parallel can split"),
+        ("hf-bloom", {}, r"BloomForCausalLM.forward takes no `position_ids`"),
+    ],
+)
+def test_models_context_parallel_cannot_split_are_refused(model: str, kwargs: dict, match: str) -> None:
+    with pytest.raises(HybridConfigError, match=match):
+        plan_context_parallel(build_module(model, **kwargs), cp=2, tp=1)
+
+
+def test_heads_must_divide_over_tensor_and_context_ranks() -> None:
+    module = build_module("hf-llama")  # 4 heads
+    assert plan_context_parallel(module, cp=2, tp=2).huggingface == [module.model]
+    with pytest.raises(HybridConfigError, match=re.escape("`context_parallel_size=4` x `tensor_parallel_size=2`")):
+        plan_context_parallel(module, cp=4, tp=2)
+    assert plan_context_parallel(build_module("litgpt_llama", **LITGPT), cp=4, tp=1).litgpt
+
+
+def test_each_context_rank_keeps_its_contiguous_part_of_the_sequence() -> None:
+    x, y, n = torch.arange(16).view(2, 8), torch.arange(16).view(2, 8) + 100, torch.tensor([1, 2])
+    parts = [shard_batch((x, {"y": y, "n": n}), rank, 4) for rank in range(4)]
+    assert torch.equal(torch.cat([p[0] for p in parts], dim=1), x)
+    assert torch.equal(parts[1][1]["y"], y[:, 2:4]) and parts[1][1]["y"].is_contiguous()
+    assert parts[3][1]["n"] is n  # one value per sample: kept whole
+    with pytest.raises(HybridConfigError, match=r"sequence lengths are \[6\]"):
+        shard_batch(torch.zeros(2, 6), 0, 4)
+    with pytest.raises(HybridConfigError, match=r"sequence lengths are \[7, 8\]"):
+        shard_batch((torch.zeros(2, 8), torch.zeros(2, 7)), 0, 2)
+
+
+def test_the_planner_counts_context_ranks() -> None:
+    from lightning_hybrid.planning import plan
+
+    sizes = {"params": 6.7e9, "layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "seq": 8192, "micro_batch": 1,
+             "precision": "bf16", "recompute": "none", "nodes": 1, "tensor_parallel_size": 1,
+             "pipeline_parallel_size": 1, "zero_stage": 1, "attention": "flash"}  # fmt: skip
+    one, two = (plan(**sizes, context_parallel_size=cp).layouts[0] for cp in (1, 2))
+    assert two.candidate.sizes() == {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "data_parallel_size": 4,
+        "zero_stage": 1,
+        "expert_parallel_size": 1,
+        "context_parallel_size": 2,
+    }
+    # each rank holds half of each sample's tokens; ZeRO shards over replicas x context ranks, 8 in both
+    assert one.ledger.activations == pytest.approx(2 * two.ledger.activations)
+    assert one.ledger.optimizer == two.ledger.optimizer
+    assert one.tokens == 2 * two.tokens  # 8 replicas' samples against 4
+    refused = plan(**{**sizes, "heads": 2}, context_parallel_size=4).layouts[0]
+    assert not refused.feasible and "context parallel (1 x 4) does not divide heads=2" in refused.reason
