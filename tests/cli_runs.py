@@ -60,11 +60,13 @@ def run(scenario: dict[str, Any], out_dir: Path) -> None:
     rank = int(os.environ["RANK"])
     log = out_dir / f"{scenario['name']}.rank{rank}.log"
     overrides = [f"--trainer.default_root_dir={root}", *(o.format(root=root) for o in scenario["overrides"])]
-    cwd, environ = os.getcwd(), dict(os.environ)
+    cwd, nodes = os.getcwd(), {}
     if scenario.get("nodes"):  # the environment torchrun gives the same ranks on that many nodes
         per_node = int(os.environ["WORLD_SIZE"]) // scenario["nodes"]
-        os.environ.update({"LOCAL_RANK": str(rank % per_node), "GROUP_RANK": str(rank // per_node),
-                           "LOCAL_WORLD_SIZE": str(per_node), "GROUP_WORLD_SIZE": str(scenario["nodes"])})  # fmt: skip
+        nodes = {"LOCAL_RANK": str(rank % per_node), "GROUP_RANK": str(rank // per_node),
+                 "LOCAL_WORLD_SIZE": str(per_node), "GROUP_WORLD_SIZE": str(scenario["nodes"])}  # fmt: skip
+    environ = {k: os.environ.get(k) for k in nodes}  # one node's, put back for the next scenario
+    os.environ.update(nodes)
     os.chdir(ROOT)  # class paths in the configs (examples.*) resolve from the repository root, as for a user there
     try:
         with _output_to(log):
@@ -78,8 +80,11 @@ def run(scenario: dict[str, Any], out_dir: Path) -> None:
         status = exit_.code
     finally:
         os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(environ)
+        for key, value in environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     if status:
         raise RuntimeError(f"lightning_hybrid.cli.main returned {status}:\n{log.read_text()[-3000:]}")
     if rank == 0:

@@ -131,7 +131,7 @@ def test_cpu_configs_train_a_few_steps_with_their_layout(shared_groups, scenario
 # the precision (bf16-mixed: Lightning's CPU autocast), clipping, micro-batching, W&B logger (offline without
 # credentials, written under the scenario's directory instead of the working directory) and checkpointing as shipped.
 SMALL_GPT = ["--model.init_args.block_size=64", "--model.init_args.n_head=4", "--model.init_args.n_embd=64",
-             "--data.init_args.block_size=64", "--data.init_args.batch_size=8"]
+             "--data.init_args.block_size=64", "--data.init_args.batch_size=8"]  # fmt: skip
 GPU_RUN = ["--trainer.accelerator=cpu", "--trainer.max_steps=2", "--trainer.log_every_n_steps=1",
            "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
            "--trainer.logger.init_args.save_dir={root}", *SMALL_GPT]  # fmt: skip
@@ -147,8 +147,8 @@ GPU_CONFIGS = {
                                               "--trainer.strategy.init_args.tensor_parallel_size=2",
                                               "--trainer.strategy.init_args.num_microbatches=2"]),
         "nodes": 2,
-    },  # fmt: skip
-}
+    },
+}  # fmt: skip
 share(8, list(GPU_CONFIGS.values()))
 
 

@@ -141,9 +141,9 @@ WORLD4 += [
 ]  # fmt: skip
 # a sequence the tensor-parallel ranks cannot split: refused on every stage before the first micro-batch, not only on
 # the first stage's ranks (whose forward splits it) while the others wait for its activations
-WORLD4.append({**scenario("error-sp-odd-sequence-pp2", "nanogpt", {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2,
-                                                                   "sequence_parallel": True}, 1,
-                          model_kwargs=LAYERS4, expect_error=True), "dataset": "odd_tokens", "timeout_s": 120})
+SP_TP2_PP2 = {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "sequence_parallel": True}
+ODD_SEQUENCE = scenario("error-sp-odd-sequence-pp2", "nanogpt", SP_TP2_PP2, 1, model_kwargs=LAYERS4, expect_error=True)
+WORLD4.append({**ODD_SEQUENCE, "dataset": "odd_tokens", "timeout_s": 120})
 # bare parameters on the network (tests/pipeline_models.py): a learned position embedding read before the blocks and
 # a gain read after them; every stage keeps them, their gradients are summed over the pipeline, the first stage owns
 # them. pp=4 also has stages that read neither, and clipping checks that the global norm counts them once.
