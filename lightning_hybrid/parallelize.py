@@ -38,6 +38,7 @@ from lightning_hybrid.tensor_parallel import (
     TensorParallelPlan,
     apply_tensor_parallel,
     build_tensor_parallel_plan,
+    sequence_shard_shape,
     validate_tensor_parallel_plan,
 )
 from lightning_hybrid.tensor_parallel.failures import explain_forward_failure
@@ -434,7 +435,7 @@ def _build_runner(
 
     def activation_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         # with sequence parallel, what crosses stages is this rank's slice of the sequence
-        return (shape[0], shape[1] // tp, *shape[2:]) if layout.sequence_parallel else shape
+        return sequence_shard_shape(shape, tp) if layout.sequence_parallel else shape
 
     def wrap_stage(stage: StageModule) -> StageModule:
         if layout.zero_stage != 3:

@@ -60,15 +60,31 @@ def run(scenario: dict[str, Any], out_dir: Path) -> None:
     rank = int(os.environ["RANK"])
     log = out_dir / f"{scenario['name']}.rank{rank}.log"
     overrides = [f"--trainer.default_root_dir={root}", *(o.format(root=root) for o in scenario["overrides"])]
-    cwd = os.getcwd()
+    cwd, nodes = os.getcwd(), {}
+    if scenario.get("nodes"):  # the environment torchrun gives the same ranks on that many nodes
+        per_node = int(os.environ["WORLD_SIZE"]) // scenario["nodes"]
+        nodes = {"LOCAL_RANK": str(rank % per_node), "GROUP_RANK": str(rank // per_node),
+                 "LOCAL_WORLD_SIZE": str(per_node), "GROUP_WORLD_SIZE": str(scenario["nodes"])}  # fmt: skip
+    environ = {k: os.environ.get(k) for k in nodes}  # one node's, put back for the next scenario
+    os.environ.update(nodes)
     os.chdir(ROOT)  # class paths in the configs (examples.*) resolve from the repository root, as for a user there
     try:
         with _output_to(log):
-            status = main(["fit", "--config", str(ROOT / "cli_configs" / scenario["config"]), *overrides])
+            try:
+                status = main(["fit", "--config", str(ROOT / "cli_configs" / scenario["config"]), *overrides])
+            finally:
+                wandb = sys.modules.get("wandb")
+                if wandb is not None and wandb.run is not None:
+                    wandb.finish()  # what a user's process does at exit: the next scenario's logger starts its own
     except SystemExit as exit_:  # the CLI's parser exits on a bad config: a failed scenario, not a dead rank
         status = exit_.code
     finally:
         os.chdir(cwd)
+        for key, value in environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     if status:
         raise RuntimeError(f"lightning_hybrid.cli.main returned {status}:\n{log.read_text()[-3000:]}")
     if rank == 0:

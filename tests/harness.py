@@ -110,6 +110,9 @@ def make_dataset(kind: str = "tokens") -> TensorDataset:
     window, repeated (a scenario's ``"dataset"``)."""
     if kind == "images":
         return image_dataset(NUM_SAMPLES, SEED)
+    if kind == "odd_tokens":  # windows of SEQ_LEN - 1 tokens: a sequence no even tensor-parallel size divides
+        x, y = make_dataset().tensors
+        return TensorDataset(x[:, 1:].contiguous(), y[:, 1:].contiguous())
     if kind == "repeated":  # one window NUM_SAMPLES times: every batch of every step is the same
         x, y = make_dataset()[0]
         return TensorDataset(x.repeat(NUM_SAMPLES, 1), y.repeat(NUM_SAMPLES, 1))

@@ -56,7 +56,7 @@ def test_quickstart_config_trains_in_3d_on_8_processes(shared_groups) -> None:
 
 CONFIGS = sorted(p.name for p in (ROOT / "cli_configs").glob("*.yaml"))
 # the configs that run on CPU, each trained for a few steps below (the quick start above, on 8 processes)
-CPU_CONFIGS = {"hf_llama.yaml": 4, "fp16_loss_scaling.yaml": 4, "zero3.yaml": 4}
+CPU_CONFIGS = {"hf_llama.yaml": 4, "fp16_loss_scaling.yaml": 4, "zero3.yaml": 4, "moe_expert_parallel.yaml": 4}
 # each as a scenario of the shared launch of its size, named after the config (`--scenarios cli-zero3`)
 CLI_RUNS = {cli_scenario(n, d)["name"]: (n, d) for n, d in CPU_CONFIGS.items()}
 for _name, _devices in CPU_CONFIGS.items():
@@ -124,6 +124,63 @@ def test_cpu_configs_train_a_few_steps_with_their_layout(shared_groups, scenario
     if name == "fp16_loss_scaling.yaml":  # the scaler is on: its scale (2^16 at the start, 1 without one)
         rows = [r for r in csv.DictReader(io.StringIO(metrics)) if r.get("train/loss_scale")]
         assert len(rows) == 2 and all(2.0**14 <= float(r["train/loss_scale"]) <= 2.0**16 for r in rows), rows
+
+
+# The GPU configs, CPU-sized: every strategy option as shipped except the sizes the CPU cannot hold (tensor 8 needs
+# 16 processes, the largest shared launch has 8), the model, sequence and batch scaled down, the accelerator the CPU;
+# the precision (bf16-mixed: Lightning's CPU autocast), clipping, micro-batching, W&B logger (offline without
+# credentials, written under the scenario's directory instead of the working directory) and checkpointing as shipped.
+SMALL_GPT = ["--model.init_args.block_size=64", "--model.init_args.n_head=4", "--model.init_args.n_embd=64",
+             "--data.init_args.block_size=64", "--data.init_args.batch_size=8"]  # fmt: skip
+GPU_RUN = ["--trainer.accelerator=cpu", "--trainer.max_steps=2", "--trainer.log_every_n_steps=1",
+           "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
+           "--trainer.logger.init_args.save_dir={root}", *SMALL_GPT]  # fmt: skip
+GPU_CONFIGS = {
+    # one node of 8: the layout as shipped (tp 2 x pp 2 x dp 2, ZeRO-1, 1F1B over 8 micro-batches, of one sample
+    # each here), 2 blocks (one per stage)
+    "gpu_8_3d.yaml": cli_scenario("gpu_8_3d.yaml", 8, [*GPU_RUN, "--model.init_args.n_layer=2"]),
+    # two nodes: 2 x 4 processes (the launch's ranks given the environment torchrun gives on two nodes, tests/
+    # cli_runs.py) instead of 2 x 8; tensor 8 -> 2 so that pp 2 x dp 'auto' (2) fit, num_microbatches 16 -> 2, 4
+    # blocks (one per virtual stage)
+    "multi_node.yaml": {
+        **cli_scenario("multi_node.yaml", 8, [*GPU_RUN, "--model.init_args.n_layer=4", "--trainer.devices=4",
+                                              "--trainer.strategy.init_args.tensor_parallel_size=2",
+                                              "--trainer.strategy.init_args.num_microbatches=2"]),
+        "nodes": 2,
+    },
+}  # fmt: skip
+share(8, list(GPU_CONFIGS.values()))
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("scenario", sorted(s["name"] for s in GPU_CONFIGS.values()))
+def test_gpu_configs_train_two_steps_cpu_sized(shared_groups, scenario: str) -> None:
+    """The two GPU configs, CPU-sized as above, trained two steps through the command's LightningCLI in the shared
+    8-process launch: the layout as shipped (multi_node.yaml: sequence parallel under interleaved 1F1B with virtual
+    stages, on 2 nodes), bf16-mixed autocast, a finite loss at both steps, an offline W&B run and the checkpoint
+    Lightning's default ModelCheckpoint writes at the end."""
+    import math
+
+    name = next(n for n, s in GPU_CONFIGS.items() if s["name"] == scenario)
+    config = yaml.safe_load((ROOT / "cli_configs" / name).read_text())
+    assert config["trainer"]["accelerator"] == "gpu" and config["trainer"]["precision"] == "bf16-mixed"
+    shipped = config["trainer"]["strategy"]["init_args"]
+    result = shared_groups(8).get(scenario)
+    log, root = result["log"], Path(result["root"])
+    tp = 2 if name == "multi_node.yaml" else shipped["tensor_parallel_size"]
+    layout = (f"world=8  tp={tp}  pp={shipped['pipeline_parallel_size']}  dp=2  zero_stage={shipped['zero_stage']}"
+              f"  sequence_parallel={shipped.get('sequence_parallel', False)}")  # fmt: skip
+    assert layout in log, log[-3000:]
+    saved = yaml.safe_load(next(root.rglob("config.yaml")).read_text())["trainer"]
+    assert saved["precision"] == "bf16-mixed" and saved["num_nodes"] == config["trainer"].get("num_nodes", 1)
+    kept = {k: v for k, v in shipped.items() if k not in ("tensor_parallel_size", "num_microbatches")}
+    assert kept.items() <= saved["strategy"]["init_args"].items(), saved["strategy"]["init_args"]
+    losses = [float(line.split(" | loss ")[1].split(" ")[0]) for line in log.splitlines()
+              if line.startswith("step ") and " | loss " in line]  # fmt: skip
+    assert len(losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in losses), log[-3000:]
+    runs = [p for p in (root / "wandb").glob("offline-run-*") if any(p.glob("*.wandb"))]
+    assert len(runs) == 1, (runs, log[-3000:])
+    assert [p.name for p in root.rglob("*.ckpt")] == ["epoch=0-step=2.ckpt"], log[-3000:]
 
 
 # ---------------------------------------------------------------- the strategy's typed sections in YAML, parsed only

@@ -127,6 +127,9 @@ WORLD4 = [
         for z in (1, 3)
     ],
     *[scenario(f"{m}-tp4", m, {"tensor_parallel_size": 4}, 1) for m in MODELS],
+    # sequence parallel over data parallel: each ZeRO stage once, the two models alternating
+    *[scenario(f"{m}-tp2-dp2-sp-zero{z}", m, {"tensor_parallel_size": 2, "sequence_parallel": True, "zero_stage": z}, 2)
+      for m, z in (("nanogpt", 0), ("llama", 1), ("nanogpt", 2), ("llama", 3))],
     *[
         scenario(
             f"nanogpt-tp2-dp2-zero{z}-clip",

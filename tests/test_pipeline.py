@@ -131,6 +131,19 @@ WORLD4 = [
         ],
     ),  # fmt: skip
 ]
+# sequence parallel under the schedules: the stages send and receive each tensor-parallel rank's slice of the
+# sequence (of the two zero-bubble schedules, the V-shaped one, whose last stage is on the first rank; interleaved
+# zero-bubble's split backward is the same, its placement interleaved 1F1B's)
+WORLD4 += [
+    scenario(f"sp-tp2-pp2-{s}", "nanogpt", {**_pp(2, s, 2), "tensor_parallel_size": 2, "sequence_parallel": True}, 1,
+             model_kwargs=LAYERS4)
+    for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbv_zero_bubble")
+]  # fmt: skip
+# a sequence the tensor-parallel ranks cannot split: refused on every stage before the first micro-batch, not only on
+# the first stage's ranks (whose forward splits it) while the others wait for its activations
+SP_TP2_PP2 = {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2, "sequence_parallel": True}
+ODD_SEQUENCE = scenario("error-sp-odd-sequence-pp2", "nanogpt", SP_TP2_PP2, 1, model_kwargs=LAYERS4, expect_error=True)
+WORLD4.append({**ODD_SEQUENCE, "dataset": "odd_tokens", "timeout_s": 120})
 # bare parameters on the network (tests/pipeline_models.py): a learned position embedding read before the blocks and
 # a gain read after them; every stage keeps them, their gradients are summed over the pipeline, the first stage owns
 # them. pp=4 also has stages that read neither, and clipping checks that the global norm counts them once.
@@ -155,6 +168,13 @@ WORLD8 = [
     )  # fmt: skip
     for z in (1, 2, 3)
 ]
+# the 3D layout with sequence parallel and virtual stages (cli_configs/multi_node.yaml's options), ZeRO-1 and ZeRO-3
+WORLD8 += [
+    scenario(f"sp-tp2-pp2-dp2-interleaved-zero{z}", "nanogpt",
+             {**_pp(2, "interleaved_1f1b", 2), "tensor_parallel_size": 2, "sequence_parallel": True, "zero_stage": z},
+             2, model_kwargs=LAYERS4)
+    for z in (1, 3)
+]  # fmt: skip
 WORLD8.append(
     scenario(
         "tp2-pp2-dp2-zero3-per-microbatch",
@@ -266,6 +286,30 @@ def test_pipeline_parity_with_single_process(pipeline_groups, case: dict[str, An
         assert len(result["logged"]) == len(reference["logged"]), (result["logged"], reference["logged"])
         for step, (got, want) in enumerate(zip(result["logged"], reference["logged"])):
             assert abs(got - want) / abs(want) <= 1e-5, f"step {step}: logged train_loss {got} vs one device {want}"
+
+
+SEQUENCE_PARALLEL = [s for s in PARITY if s["strategy"].get("sequence_parallel")]
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("case", SEQUENCE_PARALLEL, ids=[s["name"] for s in SEQUENCE_PARALLEL])
+def test_sequence_parallel_layouts_ran_as_asked(pipeline_groups, case: dict[str, Any]) -> None:
+    """The parity above is of the layout asked for: sequence parallel on, with the schedule and virtual stages."""
+    layout = pipeline_groups(_group_of(case)).get(case["name"])["layout"]
+    asked = {k: case["strategy"][k] for k in ("tensor_parallel_size", "pipeline_parallel_size", "sequence_parallel")}
+    assert {k: layout[k] for k in asked} == asked, layout
+    assert layout["pipeline_schedule"] == case["strategy"]["pipeline_schedule"], layout
+    assert layout["virtual_pipeline_size"] == case["strategy"].get("virtual_pipeline_size", 1), layout
+
+
+@pytest.mark.timeout(2400)
+def test_sequence_parallel_refuses_a_sequence_it_cannot_split_on_every_rank(pipeline_groups) -> None:
+    messages = pipeline_groups(4).expected_errors("error-sp-odd-sequence-pp2")
+    assert len(messages) == 4 and len(set(messages)) == 1, messages
+    assert messages[0] == (
+        "HybridConfigError: `sequence_parallel=True` splits the sequence (dim 1, length 15) over 2 tensor-parallel"
+        " ranks; use a sequence length divisible by it or turn it off."
+    ), messages[0]
 
 
 @pytest.mark.timeout(2400)

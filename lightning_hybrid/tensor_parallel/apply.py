@@ -32,7 +32,7 @@ from lightning_hybrid.tensor_parallel.styles import (
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["apply_tensor_parallel", "validate_tensor_parallel_plan"]
+__all__ = ["apply_tensor_parallel", "sequence_shard_shape", "validate_tensor_parallel_plan"]
 
 _NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
@@ -115,6 +115,23 @@ def _grouped_query_counts(root: nn.Module, name: str, style: FusedColwiseParalle
     return ""
 
 
+def sequence_shard_shape(shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape of one tensor-parallel rank's slice of a hidden state ``shape`` under sequence parallel (the sequence,
+    dim 1, split ``tp`` ways); a sequence it does not divide is refused. The pipeline sizes its stage boundaries with
+    it on every rank before the first micro-batch, so that every rank refuses alike, not only the first stage's.
+
+    Example:
+        >>> sequence_shard_shape((4, 16, 32), 2)
+        (4, 8, 32)
+    """
+    if len(shape) < 2 or shape[1] % tp:
+        raise HybridConfigError(
+            f"`sequence_parallel=True` splits the sequence (dim 1, length {shape[1] if len(shape) > 1 else '?'})"
+            f" over {tp} tensor-parallel ranks; use a sequence length divisible by it or turn it off."
+        )
+    return (shape[0], shape[1] // tp, *shape[2:])
+
+
 def _sequence_parallel(root: nn.Module, structure: ModelStructure, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
     """Megatron-SP: activations between tensor-parallel regions are split along the sequence (dim 1).
 
@@ -124,11 +141,7 @@ def _sequence_parallel(root: nn.Module, structure: ModelStructure, plan: TensorP
     """
 
     def to_sequence_shard(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[1] % mesh.size():
-            raise HybridConfigError(
-                f"`sequence_parallel=True` splits the sequence (dim 1, length {x.shape[1] if x.dim() > 1 else '?'})"
-                f" over {mesh.size()} tensor-parallel ranks; use a sequence length divisible by it or turn it off."
-            )
+        sequence_shard_shape(tuple(x.shape), mesh.size())
         return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
 
     def to_replicate(x: torch.Tensor) -> torch.Tensor:
