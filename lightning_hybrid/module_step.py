@@ -15,6 +15,8 @@ from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.tensor import DTensor
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STEP_CONTEXTS",
     "check_manual_optimization",
+    "context_reduced",
     "loss_context",
     "plain",
     "plain_logging",
@@ -54,7 +57,10 @@ def step_hook(name: str) -> Callable[..., Any]:
             strategy._first_batch_unchecked = False
             check_replica_batches(args[0], strategy.device_mesh, strategy.root_device)
         module, plugin, parallelized = strategy.lightning_module, strategy.precision_plugin, strategy.parallelized
-        return run_step(module, name, args, kwargs, plugin, parallelized, strategy._data_group)
+        topology = strategy._topology
+        context = topology.context_mesh if topology is not None else None
+        context_group = context["context"].get_group() if context is not None else None
+        return run_step(module, name, args, kwargs, plugin, parallelized, strategy._data_group, context_group)
 
     step.__name__ = step.__qualname__ = name
     return step
@@ -81,9 +87,11 @@ def run_step(
     precision: Any,
     parallelized: Optional[Parallelized],
     data_group: Any,
+    context_group: Any = None,
 ) -> Any:
     """Run ``module``'s step ``name`` (``"training_step"``, ...) as the strategy's hook of that name does, and return
-    its output with plain tensors (``parallelized``: what the module was parallelized into; None before that).
+    its output with plain tensors (``parallelized``: what the module was parallelized into; None before that;
+    ``context_group``: the context-parallel ranks of this replica, whose logged values are reduced over them).
 
     Example:
         >>> # output = run_step(module, "training_step", (batch, 0), {}, plugin, strategy.parallelized, data_group)
@@ -97,12 +105,16 @@ def run_step(
             results = runner.run(name, *args, *kwargs.values(), loss_scale=loss_scale)
             # what the step logged, merged over micro-batches: Lightning's log once per name, on every rank; pipeline
             # and tensor peers hold the same value, so `sync_dist` reduces over the data-parallel replicas only
-            return results.log(lambda key, value, *a, **kw: module.log(key, value, *a, **sync_over(kw, data_group)))
+            return results.log(
+                lambda key, value, *a, **kw: module.log(
+                    key, context_reduced(value, kw, context_group), *a, **sync_over(kw, data_group)
+                )
+            )
         explained = parallelized.explained_failures if parallelized is not None else lambda _: nullcontext()
         if name == "training_step" and parallelized is not None and parallelized.verifier is not None:
             with explained(module):
                 parallelized.verify_first_step(module, name, args, kwargs)  # verify_tensor_parallel
-        with plain_logging(module, data_group), explained(module):
+        with plain_logging(module, data_group, context_group), explained(module):
             output = getattr(module, name)(*args, **kwargs)
     return plain(output)
 
@@ -153,9 +165,45 @@ def sync_over(log_kwargs: dict[str, Any], group: Any) -> dict[str, Any]:
     return log_kwargs
 
 
+# Lightning's reduce_fx names (and the torch functions it accepts) -> the collective over the context ranks
+_CONTEXT_REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean", "sum": "sum",
+                                       torch.sum: "sum", "max": "max", torch.max: "max", "min": "min",
+                                       torch.min: "min"}  # fmt: skip
+
+
+def context_reduced(value: Any, log_kwargs: dict[str, Any], group: Any) -> Any:
+    """A value a step logs, reduced over the context-parallel ranks of its replica with its ``reduce_fx`` (mean by
+    default): together they hold one replica's batch, each a part of its sequence, so each rank's own value is a
+    part's (a mean over the part's tokens, equal in number on every rank: their mean is the batch's; a count logged
+    with ``reduce_fx="sum"``: their sum). Every context rank logs the same names in the same order (one all-reduce per
+    value). A torchmetrics object is left as it is (its state is reduced over replicas x context ranks when computed).
+    ``group`` None (no context parallel): ``value`` unchanged.
+
+    Example:
+        >>> context_reduced(2.0, {}, None)
+        2.0
+    """
+    if group is None or not isinstance(value, (torch.Tensor, int, float)) or isinstance(value, bool):
+        return value
+    reduce_fx = log_kwargs.get("reduce_fx", "mean")
+    how = _CONTEXT_REDUCTIONS.get(reduce_fx) if isinstance(reduce_fx, str) or callable(reduce_fx) else None
+    if how is None:
+        raise HybridConfigError(
+            f"`self.log(..., reduce_fx={reduce_fx!r})` under context parallel: a value each context rank computes on"
+            " its part of the sequence is reduced over them, which is defined for reduce_fx 'mean', 'sum', 'max' and"
+            " 'min'. Log one of those, or train without context parallel (`context_parallel_size=1`)."
+        )
+    tensor = plain(value).detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    tensor = tensor.to(torch.float64 if not tensor.is_floating_point() else tensor.dtype).clone()
+    op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    dist.all_reduce(tensor, op=op[how], group=group)
+    return tensor / dist.get_world_size(group) if how == "mean" else tensor
+
+
 @contextmanager
-def plain_logging(module: Any, data_group: Any) -> Generator[None, None, None]:
-    """While a step runs, ``module.log`` receives plain values and ``sync_dist`` reduces over ``data_group`` only.
+def plain_logging(module: Any, data_group: Any, context_group: Any = None) -> Generator[None, None, None]:
+    """While a step runs, ``module.log`` receives plain values, reduced over ``context_group``'s ranks
+    (:func:`context_reduced`), and ``sync_dist`` reduces over ``data_group`` only.
 
     Example:
         >>> # with plain_logging(lightning_module, mesh["data"].get_group()):
@@ -165,7 +213,8 @@ def plain_logging(module: Any, data_group: Any) -> Generator[None, None, None]:
 
     @functools.wraps(original)
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        return original(name, plain(value), *args, **sync_over(kwargs, data_group))
+        value = context_reduced(plain(value), kwargs, context_group)
+        return original(name, value, *args, **sync_over(kwargs, data_group))
 
     module.log = log
     try:

@@ -111,6 +111,10 @@ def test_context_parallel_trains_like_one_device(groups, name: str) -> None:
     for kind in ("params", "grads"):
         assert result[kind].keys() == reference[kind].keys(), kind
         errors += [(relative_error(got, reference[kind][n]), f"{kind} {n}") for n, got in result[kind].items()]
+    # what the module logged (rank 0's `train_loss`, with or without sync_dist) is the batch's, not its part's
+    assert len(result["logged"]) == len(reference["logged"]) > 0
+    errors += [(abs(a - b) / abs(b), f"logged train_loss at step {i}")
+               for i, (a, b) in enumerate(zip(result["logged"], reference["logged"]))]  # fmt: skip
     err, where = max(errors, key=lambda e: e[0])
     assert err <= TOL, f"{where}: relative error {err:.2e}"
     # replicas split the data, context ranks of a replica read the same samples
