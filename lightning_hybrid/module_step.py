@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STEP_CONTEXTS",
+    "check_before_fit",
     "check_manual_optimization",
+    "check_weight_averaging",
     "context_reduced",
     "loss_context",
     "plain",
@@ -66,6 +68,12 @@ def step_hook(name: str) -> Callable[..., Any]:
     return step
 
 
+def check_before_fit(module: Any, layout: Any) -> None:
+    """What the layout cannot train as ``"ddp"`` would, refused on every rank before any process group exists."""
+    check_manual_optimization(module, layout.pipeline_parallel_size)
+    check_weight_averaging(getattr(module, "_trainer", None), layout)
+
+
 def check_manual_optimization(module: Any, pipeline_parallel_size: int) -> None:
     """Refuse, on every rank before any process group exists, a manual-optimization fit under a pipeline."""
     trainer = getattr(module, "_trainer", None)
@@ -76,6 +84,31 @@ def check_manual_optimization(module: Any, pipeline_parallel_size: int) -> None:
             f" (`pipeline_parallel_size={pipeline_parallel_size}`): the schedule runs each micro-batch's"
             " backward itself, where the step calls `manual_backward` and the optimizers. Use"
             ' `pipeline_parallel_size=1` (tensor and data parallel train manual steps as `"ddp"` does).'
+        )
+
+
+def check_weight_averaging(trainer: Any, layout: Any) -> None:
+    """Refuse, on every rank before any process group exists, Lightning's ``StochasticWeightAveraging`` where a rank
+    does not hold every parameter whole: it deep-copies the module before the strategy splits it, then pairs that
+    copy's parameters with the split module's one by one (a ZeRO-3 or tensor-parallel shard, or one stage's list)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    if trainer is None or not any(isinstance(c, StochasticWeightAveraging) for c in trainer.callbacks):
+        return
+    split = {
+        "tensor_parallel_size": layout.tensor_parallel_size,
+        "pipeline_parallel_size": layout.pipeline_parallel_size,
+        "expert_parallel_size": layout.expert_parallel_size,
+    }
+    named = [f"`{name}={value}`" for name, value in split.items() if value > 1]
+    if layout.zero_stage == 3 and layout.data_parallel_size > 1:
+        named.append("`zero_stage=3`")
+    if named:
+        raise HybridConfigError(
+            f"StochasticWeightAveraging cannot average a split model ({', '.join(named)}): it copies the module"
+            " before the strategy splits it and pairs the copy's parameters with this rank's shards and stages."
+            " Use data parallel alone at `zero_stage` 0, 1 or 2 (every rank holds every parameter whole), or"
+            " average the weights yourself in a callback through `trainer.strategy` (docs/lightning-features.md)."
         )
 
 

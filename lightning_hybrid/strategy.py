@@ -34,7 +34,7 @@ from lightning_hybrid.config import CheckpointOptions, PipelineOptions, TensorPa
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import sequence_part, skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout, StrategyOptions
-from lightning_hybrid.module_step import check_manual_optimization, loss_context, step_hook
+from lightning_hybrid.module_step import check_before_fit, loss_context, step_hook
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
@@ -293,7 +293,7 @@ class HybridStrategy(ParallelStrategy):
         # resolve the layout from the world size before the process group exists: a bad layout raises on every rank
         machine = {"world_size": self.world_size, "devices_per_node": self.num_processes, "device": self.root_device}
         layout = resolve_layout(options, module, **machine, precision=self.precision_plugin)
-        check_manual_optimization(module, layout.pipeline_parallel_size)
+        check_before_fit(module, layout)
         self._topology = topology.start_topology(
             layout, self.cluster_environment, self.root_device, self.process_group_backend, self._timeout
         )

@@ -505,9 +505,16 @@ def _run_data(scenario: dict[str, Any], out_dir: Path) -> None:
     run_data(scenario, out_dir)
 
 
+def _run_extras(scenario: dict[str, Any], out_dir: Path) -> None:
+    from tests.features_extra import run_extras  # it builds on this module
+
+    run_extras(scenario, out_dir)
+
+
 RUNNERS = {
     "features": run_features,
     "feature_loops": run_loops,
     "feature_manual": run_manual,
     "feature_data": _run_data,
+    "feature_extras": _run_extras,
 }

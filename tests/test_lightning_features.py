@@ -7,6 +7,7 @@ shared launches of 2, 4 and 8 processes (tests/features.py); docs/lightning-feat
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -221,9 +222,22 @@ LOOPS = [
     _loops("dp2-zero1", 2, {"zero_stage": 1, **_NO_MONITOR}),
     _loops("tp2-dp2", 4, {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR}),
     _loops("pp2-dp2-1f1b", 4, {**_PP2, **_NO_MONITOR}),
+    _loops(
+        "pp2-dp2-interleaved",
+        4,
+        {**_PP2, "pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_size": 2, **_NO_MONITOR},
+    ),
     _loops("2x2x2", 8, {**_3D, **_NO_MONITOR}),
 ]
 LOOPS_REFUSED = [  # a sampler sharded by global rank gives tensor and pipeline peers different batches
+    _loops(
+        "tp2-dp2-world-sampler",
+        4,
+        {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR},
+        sharded_by="world",
+        expect_error=True,
+    ),
+    _loops("pp2-dp2-world-sampler", 4, {**_PP2, **_NO_MONITOR}, sharded_by="world", expect_error=True),
     _loops("2x2x2-world-sampler", 8, {**_3D, **_NO_MONITOR}, sharded_by="world", expect_error=True),
 ]
 MANUAL_REFERENCE = _manual("ddp-dp2", 2, "ddp")
@@ -410,3 +424,120 @@ def test_data_reference_exercises_what_the_matrix_claims(shared_groups) -> None:
     assert len(validated_at) == 1 and validated_at[0] >= 3, validated_at  # after the second epoch's steps only
     assert len({step for step, row in combined if "train_loss_step" in row}) == 2 * 3
     assert len({step for step, row in reference["overfit_rows"] if "train_loss_step" in row}) == 2 * 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tuner, SWA, several loggers at once, evaluation inside a fit, the argmax of vocabulary-parallel logits
+# (tests/features_extra.py: run_extras)
+
+
+def _extras(name: str, world: int, strategy: Any, **extra: Any) -> dict[str, Any]:
+    return {**_case(f"extras-{name}", world, strategy), "runner": "feature_extras", **extra}
+
+
+_VOCAB_PARALLEL = {"tensor_parallel_size": 2, **_NO_MONITOR}  # vocab_parallel_loss=True, the default
+EXTRAS_REFERENCE = _extras("ddp-dp2", 2, "ddp")
+EXTRAS = [
+    _extras("dp2-zero3", 2, {"zero_stage": 3, **_NO_MONITOR}),
+    _extras("tp2-dp2", 4, {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR}, argmax_strategy=_VOCAB_PARALLEL),
+    _extras("pp2-dp2-1f1b", 4, {**_PP2, **_NO_MONITOR}),
+    _extras("2x2x2", 8, {**_3D, **_NO_MONITOR}, argmax_strategy={**_PP2, **_VOCAB_PARALLEL}),
+]
+share(2, [EXTRAS_REFERENCE])
+for _world in (2, 4, 8):
+    share(_world, [c for c in EXTRAS if c["world"] == _world])
+
+
+def _error(outcome: dict[str, Any]) -> str:
+    assert "error" in outcome, f"expected an error, got {outcome}"
+    return outcome["error"]
+
+
+@pytest.mark.parametrize("case", EXTRAS, ids=[c["name"] for c in EXTRAS])
+def test_tuner_loggers_and_evaluation_inside_a_fit_equal_ddp(shared_groups, case: dict[str, Any]) -> None:
+    """``Tuner.lr_find`` gives ``"ddp"``'s loss curve and suggestion and restores the weights exactly (its temporary
+    checkpoint removed); ``Tuner.scale_batch_size`` is refused as under ``"ddp"`` (Lightning refuses it under any
+    distributed strategy); the fit after the tuner logs ``"ddp"``'s rows; ``trainer.validate`` and ``trainer.test``
+    called from a fit hook (another fit) return ``"ddp"``'s values, then that fit fails at the epoch's end with
+    Lightning's own error, as under ``"ddp"``; rank 0's CSV, TensorBoard and W&B files hold ``"ddp"``'s rows and
+    values."""
+    if not launched(EXTRAS_REFERENCE["name"]):
+        pytest.skip("the ddp reference is not launched in this pytest run (--scenarios)")
+    reference = shared_groups(2).get(EXTRAS_REFERENCE["name"])["per_rank"]
+    result = shared_groups(case["world"]).get(case["name"])["per_rank"]
+    assert len(result) == case["world"]
+    for rank, record in enumerate(result):
+        got, want = record["tuner_and_fit"], reference[_data_rank(record)]["tuner_and_fit"]
+        where = f"{case['name']} rank {rank}"
+        found, expected = got["lr_find"]["value"], want["lr_find"]["value"]
+        assert len(found["losses"]) == len(expected["losses"]) == 4, where
+        _assert_values_equal(dict(enumerate(found["losses"])), dict(enumerate(expected["losses"])), f"{where} lr_find")
+        assert found["suggestion"] == expected["suggestion"] == got["rate"], f"{where}: suggested rate"
+        assert found["left"] == [], f"{where}: lr_find left its checkpoint {found['left']}"
+        # this rank's own weights (its stages' under a pipeline), restored bit for bit
+        assert got["after_lr_find"].keys() == got["after_scale"].keys() <= got["initial"].keys(), where
+        for name, restored in got["after_lr_find"].items():
+            assert torch.equal(restored, got["initial"][name]), f"{where}: {name} not restored by lr_find"
+            assert torch.equal(got["after_scale"][name], restored), f"{where}: {name} changed by scale_batch_size"
+        assert _error(got["scale"]) == _error(want["scale"]), where
+        assert got["batch_size"] == want["batch_size"] == 2, where
+        assert "error" not in got["fit"] and "error" not in want["fit"], f"{where}: the fit {got['fit']}"
+        inside, inside_ddp = record["inside"], reference[_data_rank(record)]["inside"]
+        assert _error(inside) == _error(inside_ddp), f"{where}: the fit that evaluates inside"
+        assert inside["steps"] == inside_ddp["steps"] == 1, where
+        for kind in ("validate", "test"):
+            assert len(inside["inside"][kind]["value"]) == 1, f"{where}: {kind} inside the fit"
+            _assert_values_equal(
+                inside["inside"][kind]["value"][0], inside_ddp["inside"][kind]["value"][0], f"{where} {kind}"
+            )
+        _assert_rows_equal(got, want, where)
+    fits = [{"params": r["tuner_and_fit"]["params"]} for r in result]
+    _assert_weights_equal(fits, [{"params": reference[0]["tuner_and_fit"]["params"]}], f"{case['name']}, the fit")
+    got, want = result[0]["tuner_and_fit"], reference[0]["tuner_and_fit"]
+    _assert_csv_equal(got["csv"], want["csv"], f"{case['name']}: rank 0's metrics.csv")
+    assert [(t, s) for t, s, _ in got["tensorboard"]] == [(t, s) for t, s, _ in want["tensorboard"]], "TensorBoard"
+    for (tag, step, value), (_, _, expected) in zip(got["tensorboard"], want["tensorboard"]):
+        _assert_values_equal({tag: value}, {tag: expected}, f"{case['name']}: TensorBoard at step {step}")
+    from tests.log_readers import read_wandb_run
+
+    assert len(got["wandb_dirs"]) == len(want["wandb_dirs"]) == 1, got["wandb_dirs"]  # one run, from rank 0
+    history = read_wandb_run(Path(got["wandb_dirs"][0]))["history"]
+    expected_history = read_wandb_run(Path(want["wandb_dirs"][0]))["history"]
+    assert len(history) == len(expected_history) > 0, f"{case['name']}: W&B rows"
+    for row, expected_row in zip(history, expected_history):
+        numbers = {k: float(v) for k, v in row.items() if not k.startswith("_")}
+        _assert_values_equal(numbers, {k: float(v) for k, v in expected_row.items() if not k.startswith("_")}, "W&B")
+
+
+def _data_rank(record: dict[str, Any]) -> int:
+    return record["tuner_and_fit"]["data_rank"]
+
+
+@pytest.mark.parametrize("case", EXTRAS, ids=[c["name"] for c in EXTRAS])
+def test_weight_averaging_refused_on_a_split_model(shared_groups, case: dict[str, Any]) -> None:
+    """``StochasticWeightAveraging`` (which trains under ``"ddp"``) is refused with the same ``HybridConfigError``
+    on every rank before any step, naming what splits the parameters."""
+    if not launched(EXTRAS_REFERENCE["name"]):
+        pytest.skip("the ddp reference is not launched in this pytest run (--scenarios)")
+    reference = shared_groups(2).get(EXTRAS_REFERENCE["name"])["per_rank"]
+    assert all("error" not in r["swa"] and r["swa"]["steps"] == 4 for r in reference), reference[0]["swa"]
+    outcomes = [r["swa"] for r in shared_groups(case["world"]).get(case["name"])["per_rank"]]
+    errors = {_error(o) for o in outcomes}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert error.startswith("HybridConfigError: StochasticWeightAveraging cannot average a split model"), error
+    assert all(o["steps"] == 0 for o in outcomes)
+
+
+@pytest.mark.parametrize("case", [c for c in EXTRAS if "argmax_strategy" in c], ids=lambda c: c["name"])
+def test_argmax_of_vocab_parallel_logits_refused_before_the_first_step(shared_groups, case: dict[str, Any]) -> None:
+    """A step taking the argmax of its logits under the default ``vocab_parallel_loss=True`` is refused with the
+    same ``HybridConfigError`` on every rank before the first optimizer step, naming ``vocab_parallel_loss`` and
+    the fix (``vocab_parallel_loss=False``, with which the other tests of this file train such steps as ddp)."""
+    outcomes = [r["argmax"] for r in shared_groups(case["world"]).get(case["name"])["per_rank"]]
+    errors = {_error(o) for o in outcomes}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert error.startswith("HybridConfigError: `vocab_parallel_loss=True`"), error
+    assert "`vocab_parallel_loss=False`" in error, error
+    assert all(o["steps"] == 0 for o in outcomes)

@@ -13,7 +13,6 @@ import contextlib
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 import traceback
@@ -22,6 +21,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.log_readers import read_wandb_run as _read_wandb_run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -354,41 +355,6 @@ def test_communication_meter_counts_exact_bytes_per_dimension(group: dict[str, A
         assert p2p == expected, (rank, p2p)
         assert r["after"] == r["p2p"]  # nothing counted after the meter exited
         assert r["patched_after"] == "function"  # the original functions are back
-
-
-def _read_wandb_run(run_dir: Path) -> dict[str, Any]:
-    """Read an offline run's ``.wandb`` file: LevelDB log format (32 KiB blocks of records with a 7-byte header:
-    crc32, length, type) after a 7-byte file header, each record a ``wandb_internal_pb2.Record`` protobuf. wandb 0.31
-    ships no Python reader (its service is in Go), so the test reads the format itself."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = next(run_dir.glob("*.wandb")).read_bytes()
-    assert data[:4] == b":W&B", data[:8]
-    block, pos, pending = 32768, 7, b""
-    history, config, alerts = [], {}, []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block  # a block's tail too short for a header is padding
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == 0 and length == 0:
-            continue
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind not in (1, 4):  # FULL or LAST completes a record
-            continue
-        record = pb.Record()
-        record.ParseFromString(pending)
-        which = record.WhichOneof("record_type")
-        if which == "history":
-            history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
-        elif which == "config":
-            for item in record.config.update:
-                config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-        elif which == "alert":
-            alerts.append(record.alert.title)
-    return {"history": history, "config": config, "alerts": alerts}
 
 
 MONITOR_METRICS = [

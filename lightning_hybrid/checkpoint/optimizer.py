@@ -188,9 +188,25 @@ def optimizer_load_targets(
     (cut ZeRO ranges, scalars, hyper-parameters). ``available`` is the set of keys in the checkpoint; ``aliases`` maps a
     tied weight's name to its partner's (a pipeline stage may hold the copy that a one-stage run saved under the other).
     """
-    if uses_flat_state(zero):
-        return _zero_targets(module, zero, prefix, available, aliases)
-    return _torch_targets(module, optimizer, prefix, available, aliases)
+    flat = uses_flat_state(zero)
+    targets = (
+        _zero_targets(module, zero, prefix, available, aliases)
+        if flat
+        else _torch_targets(module, optimizer, prefix, available, aliases)
+    )
+    if any(key.startswith(f"{prefix}.state.") for key in available):
+        return targets
+    # saved before this optimizer's first step (Lightning's tuner saves one to restore after its trial steps): no
+    # state to load, and the optimizer is left as fresh as it was then, as torch's load_state_dict of an empty state
+    chosen, describe, _, finish = targets
+    inner = zero.optimizer if flat else optimizer
+
+    def finish_fresh(loaded: dict[str, Any], hyperparameters: list[dict[str, Any]]) -> None:
+        finish(loaded, hyperparameters)
+        inner.state.clear()
+
+    kept = {k: v for k, v in chosen.items() if not k.startswith(f"{prefix}.state.")}
+    return kept, describe, [], finish_fresh
 
 
 def _set_hyperparameters(optimizer: Optimizer, saved: list[dict[str, Any]]) -> None:

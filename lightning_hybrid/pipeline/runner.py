@@ -89,6 +89,7 @@ class PipelineRunner:
         """The module's torchmetrics objects, updated on the last stage and mirrored on the others."""
         self.verifier: Optional[PipelineVerifier] = None
         """``verify_pipeline``: compares the first batch with an unsplit forward (the strategy sets it)."""
+        self.explain_step_failure: Optional[Callable[[BaseException], Optional[Exception]]] = None  # parallelize
         self._checks_pending = True
         self.verification: Optional[dict[str, float]] = None
         """On the rank that ran ``verify_pipeline``'s comparison: the values it compared."""
@@ -248,7 +249,8 @@ class PipelineRunner:
         except Exception as error:
             # the first step: record it and go on with a stand-in, so the schedule's peers are not left waiting;
             # every rank raises it after the step (FirstStepChecks.raise_together)
-            checks.failed(stage, error)
+            explained = self.explain_step_failure(error) if self.explain_step_failure is not None else None
+            checks.failed(stage, explained or error, in_the_step=explained is not None)
             out = self._stand_in(stage, received)
             if stage == self.last_stage and step.mode == "training_step":
                 step.losses.append(out.detach().reshape(()))

@@ -93,6 +93,8 @@ class FirstStepChecks:
     _cut_off: set[int] = field(default_factory=set)
     """Stages whose output does not depend on their input, or that failed: their blocks' missing gradients follow
     from that."""
+    in_the_step: list[str] = field(default_factory=list)
+    """Errors of the user's own step that are not the cut's (a step reading vocabulary-parallel logits)."""
     errors: list[BaseException] = field(default_factory=list)
     """Exceptions a stage's forward raised at the first step (the stage went on with a stand-in, so that no peer
     waits for it in the schedule's communication)."""
@@ -255,12 +257,16 @@ class FirstStepChecks:
         """Every rank raises one error listing what any rank found, the same message everywhere (collective over
         the world: an object all-gather of each rank's findings)."""
         self.close()
-        found: list[list[str]] = [self.failures]
+        found: list[tuple[list[str], list[str]]] = [(self.failures, self.in_the_step)]
         if dist.is_available() and dist.is_initialized():
-            found = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(found, self.failures)
+            found = [([], []) for _ in range(dist.get_world_size())]
+            dist.all_gather_object(found, (self.failures, self.in_the_step))
+        in_the_step = list(dict.fromkeys(f for _, rank in found for f in rank))
+        if in_the_step:  # the step's own error, not the cut's: said as it is
+            raise HybridConfigError(" ".join(in_the_step)) from (self.errors[0] if self.errors else None)
+        found_cut = [rank for rank, _ in found]
         # tensor-parallel and data-parallel peers of a stage find the same: each finding once, in stage order
-        failures = sorted(dict.fromkeys(f for rank in found for f in rank), key=_stage_of)
+        failures = sorted(dict.fromkeys(f for rank in found_cut for f in rank), key=_stage_of)
         placement = (
             " Train it without pipeline parallel, give the LightningModule an `example_input_array` on which its"
             " forward runs with meta tensors (the cut then follows the order in which the forward calls the"
@@ -275,11 +281,14 @@ class FirstStepChecks:
                 + advice
             ) from (self.errors[0] if self.errors else None)
 
-    def failed(self, stage: int, error: BaseException) -> None:
+    def failed(self, stage: int, error: BaseException, in_the_step: bool = False) -> None:
         """``stage``'s forward raised ``error`` at the first step (it went on with a stand-in, so its parameters'
-        missing gradients follow from that, and are not reported)."""
+        missing gradients follow from that, and are not reported); ``in_the_step``: an error of the user's step that
+        is not the cut's."""
         self._cut_off.add(stage)
-        if isinstance(error, HybridConfigError):  # the strategy's own finding (a boundary's shape): said in full
+        if in_the_step:
+            self.in_the_step.append(f"{error}")
+        elif isinstance(error, HybridConfigError):  # the strategy's own finding (a boundary's shape): said in full
             self.failures.append(f"{error}")
         elif not self.errors:
             self.failures.append(
