@@ -46,9 +46,10 @@ PAGE = ROOT / "docs" / "context-parallel.md"
 
 
 @contextmanager
-def saved_activation_bytes(module: Any, recompute: str) -> Generator[dict[str, int], None, None]:
-    """Count the bytes autograd keeps for backward while the block is active (``out["bytes"]`` after it): see the
-    module's docstring for what a checkpointed block counts."""
+def saved_activation_bytes(module: Any, recompute: str, stages: int = 1) -> Generator[dict[str, Any], None, None]:
+    """Count the bytes autograd keeps for backward while the block is active: after it, ``out["bytes"]`` and
+    ``out["per_stage"]`` (the share of each of ``stages`` equal pipeline stages of the block list: the embedding counts
+    on the first, the head and loss on the last). See the module's docstring for what a checkpointed block counts."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -57,28 +58,31 @@ def saved_activation_bytes(module: Any, recompute: str) -> Generator[dict[str, i
     from lightning_hybrid.structure import find_model_structure
 
     params = {p.untyped_storage().data_ptr() for p in module.parameters() if p.device.type != "meta"}
-    seen: dict[int, int] = {}
-    inside = [False]
+    seen: list[dict[int, int]] = [{} for _ in range(stages)]
+    current, inside = [0], [False]
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+            seen[current[0]][storage.data_ptr()] = storage.nbytes()
         return t
 
-    def enter(_: Any, args: tuple) -> None:
-        inside[0] = True
+    def enter(stage: int, args: tuple) -> None:
+        current[0], inside[0] = stage, True
         if recompute != "none" and args and isinstance(args[0], torch.Tensor):
             keep(args[0])  # the checkpoint holds the block's input
 
     structure = find_model_structure(module)
+    per_stage = structure.num_blocks // stages
     handles = []
-    for name in structure.block_names():
+    for i, name in enumerate(structure.block_names()):
         block = module.get_submodule(name)
-        handles.append(block.register_forward_pre_hook(enter))
+        handles.append(block.register_forward_pre_hook(lambda _, args, s=i // per_stage: enter(s, args)))
         handles.append(block.register_forward_hook(lambda *_: inside.__setitem__(0, False)))
 
     class SelectiveSaves(TorchDispatchMode):
+        """The outputs the selective policy keeps, which saved_tensors_hooks outside the checkpoint do not see."""
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             out = func(*args, **(kwargs or {}))
             if recompute == "selective" and inside[0] and func.name().split(".")[0] in SELECTIVE_SAVED_OPS:
@@ -87,14 +91,15 @@ def saved_activation_bytes(module: Any, recompute: str) -> Generator[dict[str, i
                         keep(t)
             return out
 
-    result = {"bytes": 0}
+    result: dict[str, Any] = {"bytes": 0, "per_stage": []}
     try:
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), SelectiveSaves():
             yield result
     finally:
         for handle in handles:
             handle.remove()
-        result["bytes"] = sum(seen.values())
+        result["per_stage"] = [sum(s.values()) for s in seen]
+        result["bytes"] = sum(result["per_stage"])
 
 
 def _measured_module(recompute: str) -> Any:

@@ -241,52 +241,18 @@ ACT_MODELS = {
 def _saved_bytes_per_stage(module: torch.nn.Module, batch: tuple, stages: int, recompute: str) -> list[int]:
     """Bytes autograd keeps for one micro-batch, per pipeline stage: every saved tensor's storage once (parameters
     are not activations). Each stage's share is what the stage's own sub-network saves when run alone: the ops of
-    the blocks it holds, the embedding on the first and the final norm, head and loss on the last (forward hooks
-    on the blocks mark where a stage begins). A checkpointed block's own saves are its checkpoint's, which
-    ``saved_tensors_hooks`` does not see: its input (the checkpoint holds it) and, under ``"selective"``, the
-    outputs its policy keeps (an outer dispatch mode sees each op's outputs in the forward)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    from lightning_hybrid.activation_checkpointing import SELECTIVE_SAVED_OPS, apply_activation_checkpointing
+    the blocks it holds, the embedding on the first and the final norm, head and loss on the last. A checkpointed
+    block's own saves are its checkpoint's: its input and, under ``"selective"``, the outputs its policy keeps
+    (``benchmarks/activation_memory.py``, whose picture measures the same in real runs)."""
+    from benchmarks.activation_memory import saved_activation_bytes
+    from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing
     from lightning_hybrid.structure import find_model_structure
 
-    structure = find_model_structure(module)
     if recompute != "none":
-        apply_activation_checkpointing(module, structure.block_names(), recompute)
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: list[dict[int, int]] = [{} for _ in range(stages)]
-    current, inside = [0], [False]
-    per_stage = structure.num_blocks // stages
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[current[0]][storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def enter(stage: int, args: tuple) -> None:
-        current[0], inside[0] = stage, True
-        if recompute != "none":
-            keep(args[0])  # the checkpoint holds the block's input
-
-    for i, name in enumerate(structure.block_names()):
-        block = module.get_submodule(name)
-        block.register_forward_pre_hook(lambda _, args, s=i // per_stage: enter(s, args))
-        block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
-
-    class SelectiveSaves(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = func(*args, **(kwargs or {}))
-            if recompute == "selective" and inside[0] and func.name().split(".")[0] in SELECTIVE_SAVED_OPS:
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        keep(t)
-            return out
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), SelectiveSaves():
+        apply_activation_checkpointing(module, find_model_structure(module).block_names(), recompute)
+    with saved_activation_bytes(module, recompute, stages) as saved:
         module._loss(batch)
-    return [sum(s.values()) for s in seen]
+    return saved["per_stage"]
 
 
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"], ids=["no-ac", "ac", "sac"])
