@@ -73,9 +73,12 @@ REFUSED = _scenario("nanogpt-refused", "nanogpt", CP2, 1, expect_error=True)
 SOFTCAP = {**_scenario("hf-gemma2-refused", "hf-gemma2", CP2, 1, expect_error=True), "model_kwargs": {"head_dim": 8}}
 # a checkpoint saved at step 2 (ZeRO-1 shards over the data dimension, replicas x context ranks), resumed to step 4
 RESUMED = {**_scenario("hf-llama-cp2-resume", "hf-llama", {**CP2, "zero_stage": 1}, 1, resume_after=2), "steps": 4}
+# a loss of the user's own that context parallel cannot keep exact: refused by the first-step check on every rank
+SHIFT_INSIDE = _scenario("shift-inside-refused", "cp-shift-inside-llama", CP2, 1, expect_error=True)
+IGNORED = _scenario("ignored-tokens-refused", "cp-ignored-llama", CP2, 1, expect_error=True)
 for _world in (2, 4, 8):
     share(_world, [s for s, w in PARITY.values() if w == _world])
-share(2, [REFUSED, SOFTCAP, RESUMED])
+share(2, [REFUSED, SOFTCAP, RESUMED, SHIFT_INSIDE, IGNORED])
 
 
 @functools.cache
@@ -142,6 +145,17 @@ def test_a_network_computing_its_own_positions_or_soft_capping_attention_is_refu
     assert "Gemma2Attention asks attention for ['softcap']" in messages[0], messages
 
 
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("scenario", [SHIFT_INSIDE, IGNORED], ids=lambda s: s["name"])
+def test_a_loss_context_parallel_cannot_keep_exact_is_refused_before_the_first_step(groups, scenario) -> None:
+    messages = groups(2).expected_errors(scenario["name"])
+    assert len(messages) == 2 and len(set(messages)) == 1, messages
+    assert messages[0].startswith("HybridConfigError: `context_parallel_size=2`: the first batch's loss"), messages
+    assert "shifts its targets inside the step" in messages[0] and "`labels=`" in messages[0], messages
+    # the check runs inside the first training step, before its optimizer step: no loss was ever recorded
+    assert not list(groups(2).out_dir.glob(f"{scenario['name']}.pt")), messages
+
+
 # ------------------------------------------------------------------------------------------------ single process
 def test_layout_counts_context_ranks() -> None:
     layout = ParallelLayout.resolve(world_size=16, tensor_parallel_size=2, context_parallel_size=2)
@@ -164,7 +178,8 @@ def test_layout_counts_context_ranks() -> None:
         ({"context_parallel_size": 2, "verify_pipeline": True}, r"verify_pipeline=True"),
         ({"context_parallel_size": 2, "expert_parallel_size": 2}, r"`expert_parallel_size=2` yet"),
         ({"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}, r"sequence_parallel"),
-        ({"context_parallel_size": 2, "verify_tensor_parallel": True}, r"verify_tensor_parallel=True"),
+        ({"context_parallel_size": 2, "pipeline_parallel_size": 2, "verify_tensor_parallel": True},
+         r"verify_tensor_parallel=True` under pipeline parallel"),
         ({"context_parallel_size": 2, "layout": "auto"}, r"context_parallel_size=2"),
     ],
 )
