@@ -50,6 +50,10 @@ PARITY: dict[str, tuple[dict[str, Any], int]] = {
             # its sliding window (4096 by default) is longer than the sequence: nothing to mask
             {**_scenario("hf-mistral-cp2", "hf-mistral", CP2, 1), "model_kwargs": MISTRAL},
             _scenario("labels-llama-cp2", "cp-labels-llama", CP2, 1),
+            # the checkpointed blocks' recompute runs the forward's all-to-alls again, in backward
+            _scenario("hf-llama-cp2-recompute-full", "hf-llama", {**CP2, "activation_checkpointing": "full"}, 1),
+            _scenario("hf-llama-cp2-recompute-selective", "hf-llama",
+                      {**CP2, "activation_checkpointing": "selective"}, 1),
         ],
         4: [
             _scenario("hf-llama-cp2-dp2-zero3", "hf-llama", {**CP2, "zero_stage": 3}, 2),
