@@ -131,12 +131,12 @@ def _as_leaves(output: Any, leaves: list[Tensor]) -> Any:
 @contextmanager
 def _network_replaced(module: nn.Module, name: str, network: nn.Module) -> Generator[None, None, None]:
     """``module``'s submodule ``name`` (a direct child) is ``network`` meanwhile."""
-    previous = module._modules[name]
-    module._modules[name] = network
+    previous = module.get_submodule(name)
+    setattr(module, name, network)
     try:
         yield
     finally:
-        module._modules[name] = previous
+        setattr(module, name, previous)
 
 
 def _compare(
