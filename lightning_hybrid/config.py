@@ -170,8 +170,9 @@ class TensorParallelOptions:
     """Keep the logits sharded over the vocabulary so cross-entropy never gathers them."""
     verify_tensor_parallel: Union[bool, Literal["auto"]] = "auto"
     """Without pipeline parallel (``verify_pipeline`` covers both together): on the first batch, compare the split
-    model's loss and gradient norm with an unsplit copy on one rank, and refuse the run on a mismatch. ``"auto"``: on
-    for fp32 models of at most 100M parameters."""
+    model's loss and gradient norm with an unsplit copy on one rank, and refuse the run on a mismatch; under context
+    parallel, the user's step's loss (and its gradient at the network's outputs) on each rank's part against the whole
+    batch (docs/context-parallel.md). ``"auto"``: on for fp32 models of at most 100M parameters."""
 
     def __post_init__(self) -> None:
         check_verify_pipeline(self.verify_tensor_parallel, "verify_tensor_parallel")

@@ -201,16 +201,17 @@ def _check_context_parallel(request: LayoutRequest) -> None:
     cp = request.context_parallel_size
     if cp == 1:
         return
-    checks = {"verify_tensor_parallel": request.tensor_parallel.verify_tensor_parallel,
-              "verify_pipeline": request.pipeline.verify_pipeline}  # fmt: skip
+    # without a pipeline, verify_tensor_parallel checks the step's loss under context parallel
+    # (context_parallel/verify.py); the pipeline's check runs its copy inside the schedule, not made for it yet
+    checks = {"verify_pipeline": request.pipeline.verify_pipeline}
+    if request.pipeline_parallel_size > 1:
+        checks["verify_tensor_parallel"] = request.tensor_parallel.verify_tensor_parallel
     for name, value in checks.items():
         if value is True:
-            # the check's unsplit copy runs on one rank, where attention's all-to-all would wait for the other
-            # context ranks
             raise HybridConfigError(
-                f"`context_parallel_size={cp}` does not run with `{name}=True`: the check's unsplit copy runs on one"
-                " rank, and attention under context parallel needs every context rank. Leave it 'auto' (off under"
-                " context parallel) or False."
+                f"`context_parallel_size={cp}` does not run with `{name}=True` under pipeline parallel: the"
+                " first-step check of context parallel is made without a pipeline only. Leave it 'auto' (off"
+                " under context x pipeline parallel) or False."
             )
     if request.expert_parallel_size > 1:
         # expert parallel's mesh splits the data dimension by replicas only

@@ -25,6 +25,7 @@ from lightning_hybrid.batch_norm import sync_batch_norm
 from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.context_parallel import ContextShard, apply_context_parallel, plan_context_parallel
+from lightning_hybrid.context_parallel.verify import verify_context_first_step
 from lightning_hybrid.expert_parallel import ExpertShards, apply_expert_parallel, find_expert_modules, shard_experts
 from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
@@ -103,13 +104,20 @@ class Parallelized:
     tensor_parallel_size: int = 1
     experts: Optional[ExpertShards] = None
     """The expert weights split over the expert-parallel ranks, and their mesh (None without expert parallel)."""
+    context_shard: Optional[ContextShard] = None
+    """This rank's context ranks, where the first-step check compares the context-parallel loss (else None)."""
 
     def verify_first_step(self, module: nn.Module, mode: str, args: tuple, kwargs: dict) -> None:
-        """``verify_tensor_parallel`` at the first training step, before the real one (collective; then off)."""
+        """``verify_tensor_parallel`` at the first training step, before the real one (collective; then off); under
+        context parallel, the step's loss against the whole batch."""
         verifier, self.verifier = self.verifier, None
         assert verifier is not None
         if not getattr(module, "automatic_optimization", True):
             return  # a manual step calls the optimizers itself: running it twice would step them twice
+        if self.context_shard is not None:  # the loss of the whole batch (context_parallel/verify.py)
+            name = self.structure.network_name
+            verify_context_first_step(verifier, self.context_shard, module, name, mode, args, kwargs)
+            return
         network = module.get_submodule(self.structure.network_name or "")
         verify_first_step(verifier, module, network, mode, args, kwargs)
 
@@ -180,11 +188,19 @@ def parallelize(
             validate_tensor_parallel_plan(module, plan, layout.tensor_parallel_size)
     # 2. pipeline parallel: the cut (this rank keeps its stages; the others' blocks become stubs)
     cut = _cut_pipeline(module, structure, layout, mesh, precision) if layout.pipeline_parallel_size > 1 else None
-    tp_verifier = None
+    tp_verifier, context_shard = None, None
+    if context is not None and cut is None and structure.network_name:
+        # verify_tensor_parallel, under context parallel the loss on the whole batch (context_parallel/verify.py):
+        # the copy is taken before the attention is redirected, and before tensor parallel splits it
+        network = module.get_submodule(structure.network_name)
+        tp_verifier = make_verifier(
+            tp_options.verify_tensor_parallel, module, network, mesh, precision=precision.precision, last_stage_rank=0,
+            option="verify_tensor_parallel", shared=_attached_to(module),
+        )  # fmt: skip
     if context is not None:  # before the split: the hooks read what tensor parallel leaves of each head
-        apply_context_parallel(context, ContextShard.of(context_mesh["context"].get_group()))
-    # verify_tensor_parallel: the unsplit copy is taken before the split (not under context parallel: its copy runs
-    # on one rank, and attention there needs every context rank)
+        context_shard = ContextShard.of(context_mesh["context"].get_group())
+        apply_context_parallel(context, context_shard)
+    # verify_tensor_parallel: the unsplit copy is taken before the split
     if cut is None and plan is not None and context is None:
         network = module.get_submodule(structure.network_name) if structure.network_name else module
         tp_verifier = make_verifier(
@@ -240,6 +256,7 @@ def parallelize(
         tensor_parallel_plan=plan,
         tensor_parallel_size=layout.tensor_parallel_size,
         experts=experts,
+        context_shard=context_shard if tp_verifier is not None else None,
     )
 
 

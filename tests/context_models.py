@@ -1,6 +1,7 @@
 """Modules for the context-parallel tests (tests/test_context_parallel.py): a Hugging Face Llama whose loss is its own
 (``labels=``, shifted inside the model), with some labels ignored, so that the context ranks count different numbers
-of tokens."""
+of tokens; and two whose own loss in ``training_step`` is not exact under context parallel (targets shifted inside
+the step; tokens ignored unevenly over the parts), which the first-step check refuses."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 
 from tests.zoo_models import HFCausalLM
 
@@ -27,8 +29,35 @@ class HFLabelsLM(HFCausalLM):
         return loss
 
 
+class HFShiftInsideLM(HFCausalLM):
+    """Next-token loss shifted inside the step (``logits[:, :-1]`` against ``x[:, 1:]``): one device counts every pair,
+    each context rank loses the pair across its part's boundary."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        logits = self.model(input_ids=x).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+
+
+class HFIgnoredTokensLM(HFCausalLM):
+    """``F.cross_entropy(ignore_index=-100)`` on pre-shifted targets, every target whose id is a multiple of 3 ignored:
+    the context ranks' parts of a batch count different numbers of tokens (the first batch at cp2: 27 and 31), and
+    the mean of their means weighs them equally."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        targets = y.masked_fill(y % 3 == 0, -100)
+        logits = self.model(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+
+_CONTEXT_MODULES = {"cp-labels-": HFLabelsLM, "cp-shift-inside-": HFShiftInsideLM, "cp-ignored-": HFIgnoredTokensLM}
+
+
 def build_context_module(model: str, **kwargs: Any) -> Optional[L.LightningModule]:
-    """``"cp-labels-<family>"`` -> :class:`HFLabelsLM`; None for other names."""
-    if model.startswith("cp-labels-"):
-        return HFLabelsLM(model[len("cp-labels-") :], **kwargs)
+    """``"cp-labels-<family>"`` -> :class:`HFLabelsLM`, ``"cp-shift-inside-<family>"`` -> :class:`HFShiftInsideLM`,
+    ``"cp-ignored-<family>"`` -> :class:`HFIgnoredTokensLM`; None for other names."""
+    for prefix, cls in _CONTEXT_MODULES.items():
+        if model.startswith(prefix):
+            return cls(model[len(prefix) :], **kwargs)
     return None

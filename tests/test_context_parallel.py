@@ -50,6 +50,10 @@ PARITY: dict[str, tuple[dict[str, Any], int]] = {
             # its sliding window (4096 by default) is longer than the sequence: nothing to mask
             {**_scenario("hf-mistral-cp2", "hf-mistral", CP2, 1), "model_kwargs": MISTRAL},
             _scenario("labels-llama-cp2", "cp-labels-llama", CP2, 1),
+            # the checkpointed blocks' recompute runs the forward's all-to-alls again, in backward
+            _scenario("hf-llama-cp2-recompute-full", "hf-llama", {**CP2, "activation_checkpointing": "full"}, 1),
+            _scenario("hf-llama-cp2-recompute-selective", "hf-llama",
+                      {**CP2, "activation_checkpointing": "selective"}, 1),
         ],
         4: [
             _scenario("hf-llama-cp2-dp2-zero3", "hf-llama", {**CP2, "zero_stage": 3}, 2),
@@ -73,9 +77,12 @@ REFUSED = _scenario("nanogpt-refused", "nanogpt", CP2, 1, expect_error=True)
 SOFTCAP = {**_scenario("hf-gemma2-refused", "hf-gemma2", CP2, 1, expect_error=True), "model_kwargs": {"head_dim": 8}}
 # a checkpoint saved at step 2 (ZeRO-1 shards over the data dimension, replicas x context ranks), resumed to step 4
 RESUMED = {**_scenario("hf-llama-cp2-resume", "hf-llama", {**CP2, "zero_stage": 1}, 1, resume_after=2), "steps": 4}
+# a loss of the user's own that context parallel cannot keep exact: refused by the first-step check on every rank
+SHIFT_INSIDE = _scenario("shift-inside-refused", "cp-shift-inside-llama", CP2, 1, expect_error=True)
+IGNORED = _scenario("ignored-tokens-refused", "cp-ignored-llama", CP2, 1, expect_error=True)
 for _world in (2, 4, 8):
     share(_world, [s for s, w in PARITY.values() if w == _world])
-share(2, [REFUSED, SOFTCAP, RESUMED])
+share(2, [REFUSED, SOFTCAP, RESUMED, SHIFT_INSIDE, IGNORED])
 
 
 @functools.cache
@@ -146,6 +153,17 @@ def test_a_network_computing_its_own_positions_or_soft_capping_attention_is_refu
     assert "Gemma2Attention asks attention for ['softcap']" in messages[0], messages
 
 
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("scenario", [SHIFT_INSIDE, IGNORED], ids=lambda s: s["name"])
+def test_a_loss_context_parallel_cannot_keep_exact_is_refused_before_the_first_step(groups, scenario) -> None:
+    messages = groups(2).expected_errors(scenario["name"])
+    assert len(messages) == 2 and len(set(messages)) == 1, messages
+    assert messages[0].startswith("HybridConfigError: `context_parallel_size=2`: the first batch's loss"), messages
+    assert "shifts its targets inside the step" in messages[0] and "`labels=`" in messages[0], messages
+    # the check runs inside the first training step, before its optimizer step: no loss was ever recorded
+    assert not list(groups(2).out_dir.glob(f"{scenario['name']}.pt")), messages
+
+
 # ------------------------------------------------------------------------------------------------ single process
 def test_layout_counts_context_ranks() -> None:
     layout = ParallelLayout.resolve(world_size=16, tensor_parallel_size=2, context_parallel_size=2)
@@ -168,7 +186,8 @@ def test_layout_counts_context_ranks() -> None:
         ({"context_parallel_size": 2, "verify_pipeline": True}, r"verify_pipeline=True"),
         ({"context_parallel_size": 2, "expert_parallel_size": 2}, r"`expert_parallel_size=2` yet"),
         ({"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}, r"sequence_parallel"),
-        ({"context_parallel_size": 2, "verify_tensor_parallel": True}, r"verify_tensor_parallel=True"),
+        ({"context_parallel_size": 2, "pipeline_parallel_size": 2, "verify_tensor_parallel": True},
+         r"verify_tensor_parallel=True` under pipeline parallel"),
         ({"context_parallel_size": 2, "layout": "auto"}, r"context_parallel_size=2"),
     ],
 )
@@ -225,8 +244,10 @@ def test_the_planner_counts_context_ranks() -> None:
         "expert_parallel_size": 1,
         "context_parallel_size": 2,
     }
-    # each rank holds half of each sample's tokens; ZeRO shards over replicas x context ranks, 8 in both
-    assert one.ledger.activations == pytest.approx(2 * two.ledger.activations)
+    # each rank holds half of each sample's tokens, and per block attention's output once more (exchanged back to the
+    # rank's tokens beside SDPA's saved copy: 4096 tokens x hidden, bf16); ZeRO shards over replicas x context ranks
+    exchanged_output = sizes["layers"] * (sizes["seq"] // 2) * sizes["hidden"] * 2
+    assert two.ledger.activations == pytest.approx(one.ledger.activations / 2 + exchanged_output)
     assert one.ledger.optimizer == two.ledger.optimizer
     assert one.tokens == 2 * two.tokens  # 8 replicas' samples against 4
     refused = plan(**{**sizes, "heads": 2}, context_parallel_size=4).layouts[0]

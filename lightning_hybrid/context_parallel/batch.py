@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.context_parallel.exchange import ContextShard
 
-__all__ = ["shard_batch"]
+__all__ = ["sequence_length", "shard_batch", "whole_batch"]
 
 
 def shard_batch(batch: Any, rank: int, size: int) -> Any:
@@ -37,3 +39,25 @@ def shard_batch(batch: Any, rank: int, size: int) -> Any:
     return apply_to_collection(
         batch, torch.Tensor, lambda t: t[:, rank * part : (rank + 1) * part].contiguous() if t.dim() >= 2 else t
     )
+
+
+def sequence_length(batch: Any) -> int:
+    """The sequence length (dimension 1) of the batch's tensors of two or more dimensions; 0 when it has none."""
+    lengths: list[int] = []
+    apply_to_collection(batch, torch.Tensor, lambda t: lengths.append(t.size(1)) if t.dim() >= 2 else None)
+    return lengths[0] if lengths else 0
+
+
+def whole_batch(part: Any, shard: ContextShard) -> Any:
+    """The inverse of :func:`shard_batch` (collective over the context ranks): every tensor of two or more dimensions
+    gathered from the ranks' parts along dimension 1, in rank order; other values as they are (alike on every rank).
+    """
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() < 2:
+            return t
+        parts = [torch.empty_like(t) for _ in range(shard.size)]
+        dist.all_gather(parts, t.contiguous(), group=shard.group)
+        return torch.cat(parts, dim=1)
+
+    return apply_to_collection(part, torch.Tensor, gather)

@@ -56,9 +56,13 @@ def block_bytes(
     dropout: bool = False,
     moe: bool = False,
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> float:
     """Bytes one block saves for backward for one micro-batch on one tensor-parallel rank; ``moe``: a
-    mixture-of-experts block of ``spec`` (its experts over ``expert_parallel_size`` ranks).
+    mixture-of-experts block of ``spec`` (its experts over ``expert_parallel_size`` ranks). Under context parallel
+    ``spec.seq`` is this rank's part of the sequence, and attention's output is kept twice: as the fused kernel saved
+    it (heads / cp over the whole sequence) and, exchanged back, as the output projection's input (measured:
+    ``benchmarks/activation_memory.py``); on one rank the two share one storage.
 
     Example (Korthikanti et al. 2022, LLaMA-7B at s=2048, b=4: 34 + 5as/h = 114 bytes per s*b*h):
         >>> spec = ModelSpec(layers=32, hidden=4096, heads=32, ffn=4 * 4096, seq=2048)
@@ -94,6 +98,8 @@ def block_bytes(
         replicated, sharded, stats = 6.0, 2 + 2 * kv + interior * ffn, 2 * s * b * 4
     else:
         replicated, sharded, stats = 4.0, 2 + 2 * kv + interior * ffn, 4 * s * b * 4
+    if context_parallel_size > 1:
+        sharded += 1  # attention's output exchanged back to this rank's tokens: a copy of its own
     masks = 2 * sbh if dropout else 0
     if attention == "flash":
         scores = 4 * spec.heads * s * b / t  # float32 log-sum-exp per query and head
@@ -186,6 +192,7 @@ def stage_activation_bytes(
     dropout: bool = False,
     moe_blocks: float = 0,
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> dict[str, float]:
     """Bytes one micro-batch saves on one stage holding ``blocks`` blocks, ``moe_blocks`` of them mixture-of-experts
     blocks: ``blocks``, ``inputs`` (token ids, position ids/rotary tables on the first stage), ``outputs`` (the final
@@ -200,7 +207,8 @@ def stage_activation_bytes(
     s, b, h, t = spec.seq, micro_batch, spec.hidden, tensor_parallel_size
     split = t if sequence_parallel else 1
     kwargs: dict[str, Any] = {"act_bytes": act_bytes, "tensor_parallel_size": t, "sequence_parallel": sequence_parallel,
-              "recompute": recompute, "attention": attention, "dropout": dropout}  # fmt: skip
+              "recompute": recompute, "attention": attention, "dropout": dropout,
+              "context_parallel_size": context_parallel_size}  # fmt: skip
     per_block = block_bytes(spec, b, **kwargs)
     if moe_blocks:
         per_moe = block_bytes(spec, b, moe=True, expert_parallel_size=expert_parallel_size, **kwargs)

@@ -118,7 +118,8 @@ def _stage_ledger(spec: ModelSpec, setup: Setup, c: Candidate, first: bool, last
     stage = 0 if first else p - 1
     flight = in_flight_microbatches(c.schedule, p, c.num_microbatches, c.virtual_stages, stage)
     kwargs = {"act_bytes": act_bytes, "tensor_parallel_size": t, "sequence_parallel": sp,
-              "attention": setup.attention, "dropout": setup.dropout}  # fmt: skip
+              "attention": setup.attention, "dropout": setup.dropout,
+              "context_parallel_size": c.context_parallel_size}  # fmt: skip
     acts = stage_activation_bytes(spec, setup.micro_batch, blocks, first=first, last=last, recompute=c.recompute,
                                   moe_blocks=moe_blocks, expert_parallel_size=ep, **kwargs)  # fmt: skip
     activations = flight * (acts["blocks"] + acts["inputs"] + acts["outputs"])
