@@ -22,8 +22,6 @@ from lightning_hybrid.context_parallel import shard_batch
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_hybrid.layout import ParallelLayout
-
 __all__ = ["SkipOnResume", "check_replica_batches", "sequence_part", "skip_finished_batches"]
 
 
@@ -69,15 +67,14 @@ def check_replica_batches(batch: Any, mesh: DeviceMesh, device: torch.device) ->
             )
 
 
-def sequence_part(batch: Any, layout: ParallelLayout, mesh: DeviceMesh) -> Any:
-    """This rank's contiguous part of the batch's sequence under context parallel (``batch`` itself without): the
-    context ranks of a replica are consecutive in the mesh's data dimension (``ParallelLayout.data_dimension_size``).
+def sequence_part(batch: Any, context_rank: int, context_parallel_size: int) -> Any:
+    """This rank's contiguous part of the batch's sequence under context parallel (``batch`` itself without).
 
     Example:
-        >>> # batch = sequence_part(batch, strategy.layout, strategy.device_mesh)  # in batch_to_device
+        >>> sequence_part([1, 2], 0, 1)
+        [1, 2]
     """
-    cp = layout.context_parallel_size
-    return shard_batch(batch, mesh["data"].get_local_rank() % cp, cp) if cp > 1 else batch
+    return shard_batch(batch, context_rank, context_parallel_size) if context_parallel_size > 1 else batch
 
 
 def skip_finished_batches(dataloader: Any, trainer: Any) -> Any:

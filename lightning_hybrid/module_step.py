@@ -59,9 +59,7 @@ def step_hook(name: str) -> Callable[..., Any]:
             strategy._first_batch_unchecked = False
             check_replica_batches(args[0], strategy.device_mesh, strategy.root_device)
         module, plugin, parallelized = strategy.lightning_module, strategy.precision_plugin, strategy.parallelized
-        topology = strategy._topology
-        context = topology.context_mesh if topology is not None else None
-        context_group = context["context"].get_group() if context is not None else None
+        context_group = strategy._topology.context_group if strategy._topology is not None else None
         return run_step(module, name, args, kwargs, plugin, parallelized, strategy._data_group, context_group)
 
     step.__name__ = step.__qualname__ = name
@@ -228,8 +226,8 @@ def context_reduced(value: Any, log_kwargs: dict[str, Any], group: Any) -> Any:
         )
     tensor = plain(value).detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
     tensor = tensor.to(torch.float64 if not tensor.is_floating_point() else tensor.dtype).clone()
-    op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    dist.all_reduce(tensor, op=op[how], group=group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if how in ("mean", "sum") else getattr(dist.ReduceOp, how.upper()),
+                    group=group)  # fmt: skip
     return tensor / dist.get_world_size(group) if how == "mean" else tensor
 
 

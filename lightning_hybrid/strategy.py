@@ -391,7 +391,9 @@ class HybridStrategy(ParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # under context parallel each context rank keeps its part of the sequence
-        return sequence_part(super().batch_to_device(batch, device, dataloader_idx), self.layout, self.device_mesh)
+        topology = self._topology
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return sequence_part(batch, topology.context_rank, self.layout.context_parallel_size) if topology else batch
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

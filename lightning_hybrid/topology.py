@@ -290,6 +290,10 @@ class Topology:
     """The ``("pipeline", "expert_data", "expert", "tensor")`` mesh under expert parallel (None without)."""
     context_mesh: Optional[DeviceMesh] = None
     """The ``("pipeline", "replica", "context", "tensor")`` mesh under context parallel (None without)."""
+    context_group: Any = None
+    """This rank's context-parallel group (sliced once; None without context parallel)."""
+    context_rank: int = 0
+    """This rank's index in its context group: which part of each sample's sequence it keeps."""
 
 
 def start_topology(
@@ -311,9 +315,12 @@ def start_topology(
     watchdog.start()
     expert_mesh = build_expert_mesh(layout, device.type, timeout) if layout.expert_parallel_size > 1 else None
     context_mesh = build_context_mesh(layout, device.type, timeout) if layout.context_parallel_size > 1 else None
+    context = context_mesh["context"] if context_mesh is not None else None
     topology = Topology(
         layout=layout, mesh=mesh, data_group=mesh["data"].get_group(), watchdog=watchdog, backend=backend,
         expert_mesh=expert_mesh, context_mesh=context_mesh,
+        context_group=context.get_group() if context is not None else None,
+        context_rank=context.get_local_rank() if context is not None else 0,
     )  # fmt: skip
     rank_zero_info(format_rank_table(layout, gather_rank_devices(device)))
     return topology
