@@ -576,7 +576,8 @@ class HybridStrategy(ParallelStrategy):
             if getattr(self, "_example_input_array", None) is not None:
                 self.lightning_module.example_input_array = self._example_input_array
             OptimizerStep.release_schedulers(self.lightning_module)
-        # Bucket all-reduces in flight (a step raised) are not waited for: the peers may never join them.
+        if self._optimizer_step is not None:  # gradient hooks hold the model from C++, where gc cannot free it
+            self._optimizer_step.gradients.close()  # (bucket all-reduces in flight after an error are not waited on)
         if self._topology is not None:
             self._topology.watchdog.stop()
         try:

@@ -23,7 +23,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_hybrid import HybridPrecision, HybridStrategy  # noqa: E402
+from lightning_hybrid import HybridPrecision, HybridStrategy, process_groups, topology  # noqa: E402
 from tests.harness import Recorder, build_module, full_parameters, make_dataset, trainer_kwargs  # noqa: E402
 
 
@@ -349,6 +349,10 @@ def _free_scenario_groups(before: list) -> None:
         return
     for pg in made:
         dist.destroy_process_group(pg)
+    # the strategy's meshes kept for a later fit of the same layout hold their (now destroyed) groups, and with them
+    # the groups' gloo threads; a later scenario of that layout builds a new mesh anyway (topology._groups_alive)
+    topology._MESHES.clear()
+    process_groups.forget_subgroups()  # the same for the pipeline's tied-weight holder groups and the like
     _clear_dtensor_caches()
     gc.collect()  # the scenario's trainer, module and mesh hold the groups in reference cycles
 
@@ -357,10 +361,18 @@ def _clear_dtensor_caches() -> None:
     """DTensor caches sharding decisions and redistribution plans by mesh, and a mesh compares equal to an earlier
     one of the same shape and names whatever its groups: a later scenario's cache hit would hand back the destroyed
     groups of an earlier one's mesh ("Could not resolve the process group registered under the name ...")."""
-    from torch.distributed.tensor import _redistribute, debug
+    from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop, debug
 
     for clear in (
         getattr(debug, "_clear_sharding_prop_cache", None),
+        # the collective cost model's per-mesh topology: it holds the mesh, and through it the scenario's groups,
+        # whose gloo threads then stay alive (9 per 3D scenario and rank, which made later scenarios ~1.5x slower)
+        getattr(getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None), "cache_clear",
+                None),
+        # the tensor-meta cache, an lru_cache on a method, not cleared by the debug helper above: it holds specs, and
+        # through them meshes and groups, as the topology cache does
+        getattr(getattr(getattr(_sharding_prop, "ShardingPropagator", None), "_propagate_tensor_meta_cached", None),
+                "cache_clear", None),
         getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
         getattr(_redistribute, "clear_redistribute_planner_cache", None),
     ):

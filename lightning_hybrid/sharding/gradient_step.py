@@ -147,10 +147,9 @@ class GradientStep:
         )
 
     def close(self) -> None:
-        """Stop the gradient buckets listening to backward (a later fit builds a new step)."""
+        """Stop the gradient hooks listening to backward (the fit ended; a later fit builds a new step)."""
         for z in self.sharded:
-            if z.buckets is not None:
-                z.buckets.remove_hooks()
+            z.remove_hooks()
 
     def sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
         """The ZeRO wrapper of ``optimizer`` (None at ZeRO-3)."""

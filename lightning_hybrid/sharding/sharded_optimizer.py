@@ -135,9 +135,10 @@ class ShardedOptimizer:
         # otherwise low-precision gradients are added into a full-size fp32 buffer as they come (p.main_grad)
         self.accumulates_in_fp32 = master_dtype is not None and not zero2_buckets
         self._group_of = {id(p): g for g in self.groups for p in g.params}
-        if self.accumulates_in_fp32:
-            for p in self.model_parameters:
-                p.register_post_accumulate_grad_hook(self._fold)
+        self._fold_hooks = (
+            [p.register_post_accumulate_grad_hook(self._fold) for p in self.model_parameters]
+            if self.accumulates_in_fp32 else []
+        )  # fmt: skip
         self.buckets: Optional[GradientBuckets | ShardedGradientBuckets] = None
         if zero2_buckets:
             self.buckets = ShardedGradientBuckets(
@@ -236,6 +237,16 @@ class ShardedOptimizer:
             local = local_tensor(p)
             p.main_grad = g.grad_buffer[offset : offset + local.numel()].view(local.shape)
             offset += local.numel()
+
+    def remove_hooks(self) -> None:
+        """Stop listening to backward (the fit ended, or a new one replaces this optimizer). A parameter's gradient
+        hook is held from C++, out of the garbage collector's reach: left in place, it would keep this optimizer, its
+        buffers and its process groups alive after the model is dropped."""
+        for handle in self._fold_hooks:
+            handle.remove()
+        self._fold_hooks = []
+        if self.buckets is not None:
+            self.buckets.remove_hooks()
 
     @torch.no_grad()
     def _fold(self, p: nn.Parameter) -> None:
