@@ -92,7 +92,10 @@ class ContextLossProbe:
         finding = None
         if output is not None and self.network_name and getattr(module, "automatic_optimization", True):
             with _quiet(module), deterministic(module), torch.compiler.set_stance("force_eager"):
-                finding = self._probe(module, mode, batch, extra, kwargs or {}, _detached(output))
+                try:
+                    finding = self._probe(module, mode, batch, extra, kwargs or {}, _detached(output))
+                except Exception as error:  # reported on every rank, not left for the other stages to wait on
+                    finding = self._failed(mode, error)
         _raise_first(finding)
 
     # ------------------------------------------------------------------ the probe
@@ -102,7 +105,7 @@ class ContextLossProbe:
         if not length:
             return None  # no sequence to split (alike on every context rank)
         run = _StepRunner(module, self.network_name, mode, extra, kwargs)
-        full = run(batch, output, length)
+        full = run(batch, output, {id(t) for t in _tensors(output) if t.dim() >= 2 and t.size(1) == length})
         if full is None:
             return None  # the step returned no single loss (alike on every context rank)
         left_out = _left_out_per_position(full[1], length)
@@ -114,10 +117,11 @@ class ContextLossProbe:
         k = min(PROBE_POSITIONS, length)
         order = sorted(range(length), key=lambda j: (int(left_out[j]) * (1 if fewest else -1), j))
         chosen = torch.tensor(sorted(order[:k]))
-        part_batch, part_output = _positions(batch, chosen, length), _positions(output, chosen, length)
-        own = run(part_batch, part_output, k)
-        whole_output = _gathered(part_output, shard, k, average_others=True)
-        whole = run(_gathered(part_batch, shard, k), whole_output, k * shard.size)
+        part_batch, batch_cut = _positions(batch, chosen, length)
+        part_output, output_cut = _positions(output, chosen, length)
+        own = run(part_batch, part_output, output_cut)
+        whole_output, whole_cut = _gathered(part_output, output_cut, shard, average_others=True)
+        whole = run(_gathered(part_batch, batch_cut, shard)[0], whole_output, whole_cut)
         assert own is not None and whole is not None  # the same step on the same kinds of values
         (loss, grads), (whole_loss, whole_grads) = own, whole
         mean = torch.tensor([loss / shard.size])
@@ -139,6 +143,16 @@ class ContextLossProbe:
         if loss_error <= self.tolerance and grad_error <= self.tolerance:  # NaN fails
             return None
         return self._finding(counts, mean_loss, whole_loss, loss_error, grad_error, k)
+
+    def _failed(self, mode: str, error: Exception) -> str:
+        return (
+            f"`context_parallel_size={self.shard.size}`: the first-step probe of the loss could not run {mode} on"
+            f" {PROBE_POSITIONS} positions of each part of the sequence and on those positions as one sequence, with"
+            f" the network's outputs given ({type(error).__name__}: {error}). The step must compute its loss for a"
+            " sequence of any length from what the network returns and the batch (context parallel gives it"
+            " `seq / cp` positions). Compute the loss through the model's `labels=` argument, or train with"
+            " `context_parallel_size=1` (docs/context-parallel.md)."
+        )
 
     def _finding(
         self, counts: list[int], loss: float, whole_loss: float, loss_error: float, grad_error: float, k: int
@@ -200,9 +214,10 @@ class _StepRunner:
         parent_name, _, self.child = network_name.rpartition(".")
         self.parent = module.get_submodule(parent_name)
 
-    def __call__(self, batch: Any, given: Any, length: int) -> Optional[tuple[float, list[Tensor]]]:
-        leaves: list[Tensor] = []
-        output = _mapped(given, lambda t: _leaf(t, leaves))
+    def __call__(self, batch: Any, given: Any, per_token_ids: set[int]) -> Optional[tuple[float, list[Tensor]]]:
+        """``per_token_ids``: the ids of ``given``'s tensors that hold one value per position (dimension 1)."""
+        leaves: list[tuple[Tensor, bool]] = []
+        output = _mapped(given, lambda t: _leaf(t, leaves, id(t) in per_token_ids))
         network = getattr(self.parent, self.child)
         with _replaced(self.parent, self.child, _GivenOutput(network, output)), torch.enable_grad():
             out = getattr(self.module, self.mode)(batch, *self.extra, **self.kwargs)
@@ -210,7 +225,7 @@ class _StepRunner:
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             return None
         loss = full_tensor(loss) if isinstance(loss, DTensor) else loss
-        per_token = [t for t in leaves if t.dim() >= 2 and t.size(1) == length]
+        per_token = [t for t, of_positions in leaves if of_positions]
         grads: list[Optional[Tensor]] = [None] * len(per_token)
         if per_token and loss.requires_grad:
             grads = list(torch.autograd.grad(loss.reshape(()), per_token, allow_unused=True))
@@ -219,11 +234,11 @@ class _StepRunner:
         ]
 
 
-def _leaf(t: Tensor, leaves: list[Tensor]) -> Tensor:
+def _leaf(t: Tensor, leaves: list[tuple[Tensor, bool]], of_positions: bool) -> Tensor:
     if not t.is_floating_point():
         return t
     leaf = t.detach().requires_grad_()
-    leaves.append(leaf)
+    leaves.append((leaf, of_positions))
     return leaf
 
 
@@ -249,10 +264,20 @@ def _detached(output: Any) -> Any:
     return _mapped(output, lambda t: (full_tensor(t) if isinstance(t, DTensor) else t).detach())
 
 
-def _positions(value: Any, chosen: Tensor, length: int) -> Any:
-    """Every tensor of two or more dimensions with ``length`` positions (dimension 1) cut to the ``chosen`` ones."""
+def _positions(value: Any, chosen: Tensor, length: int) -> tuple[Any, set[int]]:
+    """Every tensor of two or more dimensions with ``length`` positions (dimension 1) cut to the ``chosen`` ones, and
+    the ids of the cut tensors (what is gathered later: a tensor of another dimension 1 is never taken for one)."""
     index = chosen.to(next(iter(_tensors(value)), chosen).device)
-    return _mapped(value, lambda t: t.index_select(1, index) if t.dim() >= 2 and t.size(1) == length else t)
+    cut: set[int] = set()
+
+    def select(t: Tensor) -> Tensor:
+        if t.dim() < 2 or t.size(1) != length:
+            return t
+        selected = t.index_select(1, index)
+        cut.add(id(selected))
+        return selected
+
+    return _mapped(value, select), cut
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -261,24 +286,30 @@ def _tensors(value: Any) -> list[Tensor]:
     return found
 
 
-def _gathered(value: Any, shard: ContextShard, length: int, average_others: bool = False) -> Any:
-    """The ranks' ``value`` as one: tensors of ``length`` positions concatenated along dimension 1 in rank order
-    (collective over the context ranks, alike on every one); with ``average_others``, the network's other floating
-    outputs (a ``labels=`` loss) averaged over the ranks, as the step's loss is; the rest as this rank's."""
+def _gathered(
+    value: Any, of_positions: set[int], shard: ContextShard, average_others: bool = False
+) -> tuple[Any, set[int]]:
+    """The ranks' ``value`` as one: the tensors whose ids are in ``of_positions`` concatenated along dimension 1 in
+    rank order (collective over the context ranks, alike on every one), and their ids; with ``average_others``, the
+    network's other floating outputs (a ``labels=`` loss) averaged over the ranks, as the step's loss is; the rest as
+    this rank's."""
+    gathered: set[int] = set()
 
     def gather(t: Tensor) -> Tensor:
-        if t.dim() >= 2 and t.size(1) == length:
+        if id(t) in of_positions:
             sendable = t.to(torch.uint8) if t.dtype == torch.bool else t.contiguous()  # gloo gathers no bool
             parts = [torch.empty_like(sendable) for _ in range(shard.size)]
             dist.all_gather(parts, sendable, group=shard.group)
-            return torch.cat(parts, dim=1).to(t.dtype)
+            whole = torch.cat(parts, dim=1).to(t.dtype)
+            gathered.add(id(whole))
+            return whole
         if average_others and t.is_floating_point():
             total = t.detach().clone()
             dist.all_reduce(total, group=shard.group)
             return total / shard.size
         return t
 
-    return _mapped(value, gather)
+    return _mapped(value, gather), gathered
 
 
 def _left_out_per_position(grads: list[Tensor], length: int) -> Tensor:
