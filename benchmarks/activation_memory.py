@@ -155,7 +155,8 @@ def _rank_main(cases: list[tuple[int, int, str]], out: Path) -> None:
         tokens = torch.randint(0, MODEL["vocab_size"], (WORLD // cp, seq + 1))
         data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         sizes = {"context_parallel_size": cp} if cp > 1 else {}
-        # the first-step check of the loss (its own forwards) is not what is measured here
+        # verify_tensor_parallel's own forwards are not what is measured here; under context parallel the probe of
+        # the loss runs the step before the real one, whose count is the last
         strategy = HybridStrategy(**sizes, zero_stage=1, activation_checkpointing=recompute != "none" and recompute,
                                   verify_tensor_parallel=False)
         trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=1, logger=False,

@@ -201,17 +201,16 @@ def _check_context_parallel(request: LayoutRequest) -> None:
     cp = request.context_parallel_size
     if cp == 1:
         return
-    # without a pipeline, verify_tensor_parallel checks the step's loss under context parallel
-    # (context_parallel/verify.py); the pipeline's check runs its copy inside the schedule, not made for it yet
-    checks = {"verify_pipeline": request.pipeline.verify_pipeline}
-    if request.pipeline_parallel_size > 1:
-        checks["verify_tensor_parallel"] = request.tensor_parallel.verify_tensor_parallel
+    # the unsplit copies of verify_pipeline and verify_tensor_parallel cannot run the context-parallel attention on
+    # one rank; context parallel probes the step's loss itself, without a copy (context_parallel/verify.py)
+    checks = {"verify_pipeline": request.pipeline.verify_pipeline,
+              "verify_tensor_parallel": request.tensor_parallel.verify_tensor_parallel}  # fmt: skip
     for name, value in checks.items():
         if value is True:
             raise HybridConfigError(
-                f"`context_parallel_size={cp}` does not run with `{name}=True` under pipeline parallel: the"
-                " first-step check of context parallel is made without a pipeline only. Leave it 'auto' (off"
-                " under context x pipeline parallel) or False."
+                f"`context_parallel_size={cp}` does not run with `{name}=True`: its unsplit copy of the network is"
+                " not made under context parallel, whose own first-step probe of the loss (always on, no copy)"
+                " checks the step instead. Leave it 'auto' (off under context parallel) or False."
             )
     if request.expert_parallel_size > 1:
         # expert parallel's mesh splits the data dimension by replicas only

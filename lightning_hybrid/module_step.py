@@ -142,9 +142,9 @@ def run_step(
                 )
             )
         explained = parallelized.explained_failures if parallelized is not None else lambda _: nullcontext()
-        if name == "training_step" and parallelized is not None and parallelized.verifier is not None:
-            with explained(module):
-                parallelized.verify_first_step(module, name, args, kwargs)  # verify_tensor_parallel
+        if name == "training_step" and parallelized is not None and parallelized.first_step_unchecked:
+            with explained(module):  # verify_tensor_parallel, context parallel's probe of the loss
+                parallelized.verify_first_step(module, name, args, kwargs)
         with plain_logging(module, data_group, context_group), explained(module):
             output = getattr(module, name)(*args, **kwargs)
     return plain(output)

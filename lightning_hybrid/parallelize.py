@@ -25,7 +25,7 @@ from lightning_hybrid.batch_norm import sync_batch_norm
 from lightning_hybrid.compile import compile_blocks, compile_needs_blocks
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.context_parallel import ContextShard, apply_context_parallel, plan_context_parallel
-from lightning_hybrid.context_parallel.verify import verify_context_first_step
+from lightning_hybrid.context_parallel.verify import ContextLossProbe
 from lightning_hybrid.expert_parallel import ExpertShards, apply_expert_parallel, find_expert_modules, shard_experts
 from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.pipeline import PipelineRunner, StageModule, partition_blocks, split_network
@@ -104,20 +104,24 @@ class Parallelized:
     tensor_parallel_size: int = 1
     experts: Optional[ExpertShards] = None
     """The expert weights split over the expert-parallel ranks, and their mesh (None without expert parallel)."""
-    context_shard: Optional[ContextShard] = None
-    """This rank's context ranks, where the first-step check compares the context-parallel loss (else None)."""
+    context_probe: Optional[ContextLossProbe] = None
+    """Under context parallel without a pipeline, the first step's probe of the user's loss, until it ran (under a
+    pipeline the runner holds it; else None)."""
+
+    @property
+    def first_step_unchecked(self) -> bool:
+        """A first-step check is still to run (``verify_tensor_parallel``, or context parallel's probe)."""
+        return self.verifier is not None or self.context_probe is not None
 
     def verify_first_step(self, module: nn.Module, mode: str, args: tuple, kwargs: dict) -> None:
         """``verify_tensor_parallel`` at the first training step, before the real one (collective; then off); under
-        context parallel, the step's loss against the whole batch."""
+        context parallel, the probe of the step's loss (context_parallel/verify.py)."""
         verifier, self.verifier = self.verifier, None
-        assert verifier is not None
-        if not getattr(module, "automatic_optimization", True):
+        probe, self.context_probe = self.context_probe, None
+        if probe is not None:
+            probe.check_step(module, mode, args, kwargs)
+        if verifier is None or not getattr(module, "automatic_optimization", True):
             return  # a manual step calls the optimizers itself: running it twice would step them twice
-        if self.context_shard is not None:  # the loss of the whole batch (context_parallel/verify.py)
-            name = self.structure.network_name
-            verify_context_first_step(verifier, self.context_shard, module, name, mode, args, kwargs)
-            return
         network = module.get_submodule(self.structure.network_name or "")
         verify_first_step(verifier, module, network, mode, args, kwargs)
 
@@ -188,18 +192,12 @@ def parallelize(
             validate_tensor_parallel_plan(module, plan, layout.tensor_parallel_size)
     # 2. pipeline parallel: the cut (this rank keeps its stages; the others' blocks become stubs)
     cut = _cut_pipeline(module, structure, layout, mesh, precision) if layout.pipeline_parallel_size > 1 else None
-    tp_verifier, context_shard = None, None
-    if context is not None and cut is None and structure.network_name:
-        # verify_tensor_parallel, under context parallel the loss on the whole batch (context_parallel/verify.py):
-        # the copy is taken before the attention is redirected, and before tensor parallel splits it
-        network = module.get_submodule(structure.network_name)
-        tp_verifier = make_verifier(
-            tp_options.verify_tensor_parallel, module, network, mesh, precision=precision.precision, last_stage_rank=0,
-            option="verify_tensor_parallel", shared=_attached_to(module),
-        )  # fmt: skip
+    tp_verifier, context_probe = None, None
     if context is not None:  # before the split: the hooks read what tensor parallel leaves of each head
         context_shard = ContextShard.of(context_mesh["context"].get_group())
         apply_context_parallel(context, context_shard)
+        # the user's loss probed at the first step, on the ranks holding the network's output (no copy)
+        context_probe = ContextLossProbe(context_shard, structure.network_name or "", precision.precision)
     # verify_tensor_parallel: the unsplit copy is taken before the split
     if cut is None and plan is not None and context is None:
         network = module.get_submodule(structure.network_name) if structure.network_name else module
@@ -236,6 +234,7 @@ def parallelize(
         if verifier is not None:  # within a replica: tensor-parallel and shared-parameter sums
             verifier.duplicates = lambda: shared.duplicates
             runner.verifier = verifier
+        runner.context_probe, context_probe = context_probe, None
         if layout.zero_stage == 3:
             dp_replicated += shared.loose  # in no stage's FSDP2 root: averaged over data like those left out
         if plan is not None and vocab_head is not None:  # the step reading the logits fails, not the cut
@@ -256,7 +255,7 @@ def parallelize(
         tensor_parallel_plan=plan,
         tensor_parallel_size=layout.tensor_parallel_size,
         experts=experts,
-        context_shard=context_shard if tp_verifier is not None else None,
+        context_probe=context_probe,
     )
 
 

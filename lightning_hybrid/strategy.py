@@ -92,8 +92,8 @@ class HybridStrategy(ParallelStrategy):
         pipeline_network: name of the module ``training_step`` calls, if not the one owning the block list.
         verify_pipeline: compare the first batch's pipelined loss and gradient norm with an unsplit forward and
             refuse a mismatch: ``"auto"`` (fp32 models of at most 100M parameters), True or False (docs/pipeline.md).
-        verify_tensor_parallel: the same comparison for tensor parallel without a pipeline, and under context parallel
-            the step's loss against the whole batch (docs/context-parallel.md): ``"auto"``, True or False.
+        verify_tensor_parallel: the same comparison for tensor parallel without a pipeline: ``"auto"``, True or False
+            (not under context parallel, whose own probe of the loss always runs: docs/context-parallel.md).
         zero3_gradient_sync: ZeRO-3 under pipeline parallel: reduce-scatter ``"per_step"`` or ``"per_microbatch"``.
         overlap_grad_reduce: reduce gradients in buckets during backward (ZeRO-0/2 without pipeline parallel).
         bucket_cap_mb: size of those buckets in MiB (DDP's ``bucket_cap_mb``).

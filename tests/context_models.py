@@ -40,13 +40,18 @@ class HFShiftInsideLM(HFCausalLM):
 
 
 class HFIgnoredTokensLM(HFCausalLM):
-    """``F.cross_entropy(ignore_index=-100)`` on pre-shifted targets, every target whose id is a multiple of 3 ignored:
-    the context ranks' parts of a batch count different numbers of tokens (the first batch at cp2: 27 and 31), and
-    the mean of their means weighs them equally."""
+    """``F.cross_entropy(ignore_index=-100)`` on pre-shifted targets whose last quarter of each sequence is ignored
+    (as padding labels at the end would be; marked on the whole batch, before the strategy cuts it): at cp2 the
+    second rank's part counts half its tokens, the first all of them, and the mean of their means weighs them
+    equally. The ignored positions lie after the first positions of the part, which a probe of each part's beginning
+    alone would not see."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        return x, y.clone().index_fill_(1, torch.arange(y.size(1) * 3 // 4, y.size(1)), -100)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        targets = y.masked_fill(y % 3 == 0, -100)
+        x, targets = batch
         logits = self.model(input_ids=x).logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 

@@ -77,12 +77,17 @@ REFUSED = _scenario("nanogpt-refused", "nanogpt", CP2, 1, expect_error=True)
 SOFTCAP = {**_scenario("hf-gemma2-refused", "hf-gemma2", CP2, 1, expect_error=True), "model_kwargs": {"head_dim": 8}}
 # a checkpoint saved at step 2 (ZeRO-1 shards over the data dimension, replicas x context ranks), resumed to step 4
 RESUMED = {**_scenario("hf-llama-cp2-resume", "hf-llama", {**CP2, "zero_stage": 1}, 1, resume_after=2), "steps": 4}
-# a loss of the user's own that context parallel cannot keep exact: refused by the first-step check on every rank
-SHIFT_INSIDE = _scenario("shift-inside-refused", "cp-shift-inside-llama", CP2, 1, expect_error=True)
+# a loss of the user's own that context parallel cannot keep exact: refused by the first-step probe on every rank,
+# whatever the model's size (no copy of it: verify_tensor_parallel off) and under a pipeline (the last stage probes)
+SHIFT_INSIDE = _scenario("shift-inside-refused", "cp-shift-inside-llama", {**CP2, "verify_tensor_parallel": False}, 1,
+                         expect_error=True)  # fmt: skip
+SHIFT_INSIDE_PP2 = _scenario("shift-inside-pp2-refused", "cp-shift-inside-llama",
+                             {**CP2, "pipeline_parallel_size": 2}, 1, expect_error=True)  # fmt: skip
 IGNORED = _scenario("ignored-tokens-refused", "cp-ignored-llama", CP2, 1, expect_error=True)
 for _world in (2, 4, 8):
     share(_world, [s for s, w in PARITY.values() if w == _world])
 share(2, [REFUSED, SOFTCAP, RESUMED, SHIFT_INSIDE, IGNORED])
+share(4, [SHIFT_INSIDE_PP2])
 
 
 @functools.cache
@@ -154,14 +159,25 @@ def test_a_network_computing_its_own_positions_or_soft_capping_attention_is_refu
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("scenario", [SHIFT_INSIDE, IGNORED], ids=lambda s: s["name"])
-def test_a_loss_context_parallel_cannot_keep_exact_is_refused_before_the_first_step(groups, scenario) -> None:
-    messages = groups(2).expected_errors(scenario["name"])
-    assert len(messages) == 2 and len(set(messages)) == 1, messages
+@pytest.mark.parametrize(
+    ("scenario", "world", "found"),
+    [
+        (SHIFT_INSIDE, 2, "it depends on pairs of positions across the parts' boundary"),
+        (SHIFT_INSIDE_PP2, 4, "it depends on pairs of positions across the parts' boundary"),
+        # the ignored targets lie in the last rank's part only, after the positions a prefix would probe
+        (IGNORED, 2, "it counts different numbers of tokens on the context ranks (the loss leaves out 0, 16 "),
+    ],
+    ids=lambda v: v["name"] if isinstance(v, dict) else None,
+)
+def test_a_loss_context_parallel_cannot_keep_exact_is_refused_before_the_first_step(
+    groups, scenario: dict, world: int, found: str
+) -> None:
+    messages = groups(world).expected_errors(scenario["name"])
+    assert len(messages) == world and len(set(messages)) == 1, messages
     assert messages[0].startswith("HybridConfigError: `context_parallel_size=2`: the first batch's loss"), messages
-    assert "shifts its targets inside the step" in messages[0] and "`labels=`" in messages[0], messages
-    # the check runs inside the first training step, before its optimizer step: no loss was ever recorded
-    assert not list(groups(2).out_dir.glob(f"{scenario['name']}.pt")), messages
+    assert found in messages[0] and "`labels=`" in messages[0], messages
+    # the probe runs inside the first training step, before its optimizer step: no loss was ever recorded
+    assert not list(groups(world).out_dir.glob(f"{scenario['name']}.pt")), messages
 
 
 # ------------------------------------------------------------------------------------------------ single process
@@ -187,7 +203,8 @@ def test_layout_counts_context_ranks() -> None:
         ({"context_parallel_size": 2, "expert_parallel_size": 2}, r"`expert_parallel_size=2` yet"),
         ({"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}, r"sequence_parallel"),
         ({"context_parallel_size": 2, "pipeline_parallel_size": 2, "verify_tensor_parallel": True},
-         r"verify_tensor_parallel=True` under pipeline parallel"),
+         r"verify_tensor_parallel=True`: its unsplit copy"),
+        ({"context_parallel_size": 2, "verify_tensor_parallel": True}, r"verify_tensor_parallel=True`: its unsplit"),
         ({"context_parallel_size": 2, "layout": "auto"}, r"context_parallel_size=2"),
     ],
 )

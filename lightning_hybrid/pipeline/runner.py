@@ -90,6 +90,8 @@ class PipelineRunner:
         self.verifier: Optional[PipelineVerifier] = None
         """``verify_pipeline``: compares the first batch with an unsplit forward (the strategy sets it)."""
         self.explain_step_failure: Optional[Callable[[BaseException], Optional[Exception]]] = None  # parallelize
+        self.context_probe: Any = None  # context parallel's first-step probe of the loss (context_parallel/verify.py)
+        self._probe_output: Any = None  # micro-batch 0's network output on the last stage, for the probe
         self._checks_pending = True
         self.verification: Optional[dict[str, float]] = None
         """On the rank that ran ``verify_pipeline``'s comparison: the values it compared."""
@@ -149,6 +151,10 @@ class PipelineRunner:
             if step.checks is not None:
                 step.checks.check_gradients(self.stages)
                 step.checks.raise_together()
+                if self.context_probe is not None:  # collective over the world: every rank, before any optimizer step
+                    output, self._probe_output = self._probe_output, None
+                    with self._metrics.unchanged():
+                        self.context_probe.check_output(self.module, mode, step.microbatches[0], step.extra, output)
             self._stashed = self._take_gradients()
             for p, g in previous:  # back in place, for Lightning's zero_grad to clear or gradient accumulation to keep
                 p.grad = g
@@ -273,6 +279,8 @@ class PipelineRunner:
             out = self._partial_forward(step, stage, received, args, kwargs)
             if step.checks is not None and mb == 0:
                 step.checks.check_network_output(out)
+                if self.context_probe is not None:
+                    self._probe_output = out
             return out
 
         self._log.sink = step.records[mb]
@@ -388,18 +396,8 @@ class PipelineRunner:
             ids = torch.zeros(1, dtype=torch.long, device=self.device)
             inputs = ids if s == 0 else entering[s].detach().clone().requires_grad_(training)
             outputs = entering[s + 1].detach().clone().requires_grad_(training)
-            stages.append(
-                TimedStage(
-                    module,
-                    s,
-                    self.split.num_stages,
-                    self.device,
-                    input_args=inputs,
-                    output_args=outputs,
-                    group=group,
-                    timer=self._timer,
-                )  # fmt: skip
-            )
+            stages.append(TimedStage(module, s, self.split.num_stages, self.device, input_args=inputs,
+                                     output_args=outputs, group=group, timer=self._timer))  # fmt: skip
         name = self.schedule_name
         if not training and name not in MULTI_STAGE:
             # forward only, every single-stage schedule runs the forwards in the same order; GPipe has no lower bound

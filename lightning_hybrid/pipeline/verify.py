@@ -44,6 +44,7 @@ __all__ = [
     "PipelineVerifier",
     "TOLERANCES",
     "check_verify_pipeline",
+    "deterministic",
     "make_verifier",
 ]
 
@@ -459,21 +460,28 @@ class PipelineVerifier:
 
     @contextmanager
     def deterministic(self, *modules: Optional[nn.Module]) -> Generator[None, None, None]:
-        """Both sides in eval mode (no dropout), and the random state put back: the verified step leaves the run as
-        it would have been without it."""
-        flags = [(m, m.training) for module in modules if module is not None for m in module.modules()]
-        cpu_state = torch.get_rng_state()
-        cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        for m, _ in flags:
-            m.training = False
-        try:
+        """Both sides in eval mode (no dropout), and the random state put back (:func:`deterministic`)."""
+        with deterministic(*modules):
             yield
-        finally:
-            for m, training in flags:
-                m.training = training
-            torch.set_rng_state(cpu_state)
-            if cuda_state is not None:
-                torch.cuda.set_rng_state_all(cuda_state)
+
+
+@contextmanager
+def deterministic(*modules: Optional[nn.Module]) -> Generator[None, None, None]:
+    """``modules`` in eval mode (no dropout), and the random state put back: a checked step leaves the run as it would
+    have been without it."""
+    flags = [(m, m.training) for module in modules if module is not None for m in module.modules()]
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    for m, _ in flags:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state_all(cuda_state)
 
 
 def weights_fingerprint(network: nn.Module) -> Optional[Tensor]:
