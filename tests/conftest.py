@@ -73,7 +73,7 @@ def launch(
     # CLI object (and with it its trainer, module and the groups of their mesh: 9 gloo threads a rank) alive after
     # the command returns, and the same for the W&B and TensorBoard runs; idle gloo threads made every later
     # scenario of the launch cost up to 1.8x the CPU
-    spec.write_text(json.dumps(sorted(scenarios, key=lambda s: s.get("runner") in KEEP_GROUPS)))
+    spec.write_text(json.dumps(sorted(scenarios, key=keeps_its_groups)))
     environ = dict(os.environ if environ is None else environ)
     env = {**environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{environ.get('PYTHONPATH', '')}"}
     # the ranks are forked from one interpreter that imported torch and Lightning (tests/fork_launch.py), with
@@ -97,8 +97,14 @@ def launch(
         RUNNING.discard(proc)
 
 
-# scenario runners whose process groups outlive them (see launch)
-KEEP_GROUPS = ("cli", "feature_extras")
+def keeps_its_groups(scenario: dict[str, Any]) -> bool:
+    """Whether a scenario's process groups outlive it (see ``launch``): LightningCLI and the W&B/TensorBoard runs,
+    DeepSpeed's engines (DeepSpeed keeps its groups in module globals) and the imports of their checkpoints, which a
+    stable sort keeps after them."""
+    return scenario.get("runner") in ("cli", "feature_extras") or "deepspeed_source" in scenario or str(
+        scenario.get("resume_from", "")
+    ).startswith("ds-source")
+
 
 # launches in flight, killed (with their ranks) if the session ends first
 RUNNING: set[subprocess.Popen] = set()

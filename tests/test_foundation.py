@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from lightning_hybrid.sharding import expected_model_state_bytes
-from tests.conftest import KEEP_GROUPS, relative_error, share
+from tests.conftest import keeps_its_groups, relative_error, share
 from tests.harness import run_reference
 
 STEPS = 6  # optimizer steps per parity scenario (resumed ones save after 3): docs/testing.md
@@ -398,7 +398,7 @@ def test_finished_fits_leave_no_process_group_alive_once_dropped(group4) -> None
     keep theirs: see ``tests/conftest.py``)."""
     rows = [line.split("\t") for line in (group4.out_dir / "timings.rank0.tsv").read_text().splitlines()[2:]]
     spec = {s["name"]: s for s in json.loads((group4.out_dir / "spec.json").read_text())}
-    fits = [(name, int(threads)) for name, _, _, threads, _ in rows if spec[name].get("runner") not in KEEP_GROUPS]
+    fits = [(name, int(threads)) for name, _, _, threads, _ in rows if not keeps_its_groups(spec[name])]
     assert len(fits) > 40, fits
     first = fits[0][1]  # the default group's threads and the first fit's groups kept for reuse by design
     grown = [(name, threads) for name, threads in fits if threads > first + 3]

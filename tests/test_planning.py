@@ -421,6 +421,33 @@ def test_mixtral_8x7b_per_gpu_state_at_ep1_and_ep8() -> None:
     assert by_ep[8].parameters / GB == pytest.approx(28.97, abs=0.01)
 
 
+def test_context_parallel_exchange_is_in_the_all_to_all_term() -> None:
+    """Context parallel's head exchange (Ulysses: q, k, v and the output, forward and backward, and the forward's
+    again under full recompute) in the all-to-all term, from the searched layout down to the formula: Llama-2-7B-like
+    (32 heads, 8 key/value heads), seq 8192, intra-node while the t x cp ranks fit in a node of 8."""
+    from lightning_hybrid.planning import Hardware
+    from lightning_hybrid.planning.steptime import estimate_step_time
+
+    spec = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=11008, seq=8192, family="llama")
+    hw = Hardware.preset("H100", nodes=2)
+    common = {"pipeline_parallel_size": 2, "zero_stage": 1, "micro_batch": 1, "num_microbatches": 4, "grad_bytes": 4}
+    assert estimate_step_time(spec, hw, tensor_parallel_size=2, data_parallel_size=4, **common).all_to_all == 0
+    for t, cp, recompute, passes, link in ((2, 2, "none", 2, hw.intra_node_bandwidth),
+                                           (2, 4, "full", 3, hw.intra_node_bandwidth),
+                                           (4, 4, "selective", 2, hw.inter_node_bandwidth)):  # fmt: skip
+        local = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=11008, seq=8192 // cp, family="llama")
+        step = estimate_step_time(local, hw, tensor_parallel_size=t, data_parallel_size=2 * cp,
+                                  context_parallel_size=cp, recompute=recompute, **common)  # fmt: skip
+        # per attention layer of a stage (16) and micro-batch (4): (2 x 4096 + 2 x 8 x 128) / t elements a token
+        want = passes * 16 * 4 * (8192 // cp) * (2 * 4096 + 2 * 8 * 128) / t * 2 * (cp - 1) / cp / link
+        assert step.all_to_all == pytest.approx(want), (t, cp, recompute)
+    # the planner's search passes the fixed context size down to the step time
+    result = plan(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=11008, vocab=32000, seq=8192, family="llama",
+                  micro_batch=1, precision="bf16", nodes=2, context_parallel_size=2)  # fmt: skip
+    stepped = [e for e in result.layouts if e.step is not None]
+    assert stepped and all(e.step.all_to_all > 0 for e in stepped)
+
+
 def test_all_to_all_term_and_active_flops() -> None:
     """The step's all-to-all: 4 x MoE layers x micro-batches x (b s top_k) rows x h x bytes x (ep-1)/ep over NVLink
     while the t x ep ranks fit in a node, the network beyond; compute from the active parameters (12.9B of 46.7B),

@@ -230,14 +230,15 @@ def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evalu
     if structural:
         return Evaluated(c, ledger, None, False, structural, tokens, details=details)
     grad_bytes = PRECISION_BYTES[setup.precision][1]
-    # per rank: seq / cp tokens, gradients reduced over replicas x context ranks (the all-to-alls not counted)
+    # per rank: seq / cp tokens, gradients reduced over replicas x context ranks
     step = estimate_step_time(_context_local(spec, c), hw, tensor_parallel_size=c.tensor_parallel_size,
                               pipeline_parallel_size=p, zero_stage=c.zero_stage,
                               data_parallel_size=c.data_parallel_size * c.context_parallel_size,
                               micro_batch=setup.micro_batch, num_microbatches=c.num_microbatches,
                               grad_bytes=grad_bytes, act_bytes=PRECISION_BYTES[setup.precision][3],
                               schedule=c.schedule, virtual=c.virtual_stages, recompute=c.recompute,
-                              mfu=setup.mfu, expert_parallel_size=c.expert_parallel_size)  # fmt: skip
+                              mfu=setup.mfu, expert_parallel_size=c.expert_parallel_size,
+                              context_parallel_size=c.context_parallel_size)  # fmt: skip
     limit = f"{_gb(hw.device_memory).replace('.0 ', ' ')} x {hw.usable_fraction:g}"
     if ledger.setup > hw.usable_memory >= ledger.training:
         reason = f"set-up (shards + the replay's largest tensors) {_gb(ledger.setup)} > {limit}"

@@ -42,7 +42,7 @@ class StepTime:
     data: float
     pipeline: float
     all_to_all: float = 0.0
-    """Expert parallel's token dispatch and combine (0 without expert parallel)."""
+    """Expert parallel's token dispatch and combine, context parallel's exchange of heads (0 without either)."""
 
     @property
     def total(self) -> float:
@@ -105,8 +105,11 @@ def estimate_step_time(
     recompute: str = "none",
     mfu: float = 0.4,
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> StepTime:
-    """Seconds per optimizer step of ``data_parallel x num_microbatches x micro_batch`` sequences.
+    """Seconds per optimizer step of ``data_parallel x num_microbatches x micro_batch`` sequences. Under context
+    parallel, ``spec.seq`` is one rank's part of the sequence and ``data_parallel_size`` counts replicas x context
+    ranks (the mesh's data dimension, which reduces the gradients).
 
     Example (Mixtral-8x7B on 8 H100s, data parallel with the experts over all 8: the all-to-all term):
         >>> from lightning_hybrid.planning.hardware import Hardware
@@ -159,4 +162,12 @@ def estimate_step_time(
         moe_layers = max(moe_layers_per_stage(spec, p))
         volume = 4 * moe_layers * m * b * s * spec.top_k * h * act_bytes * (ep - 1) / ep
         all_to_all = volume / (intra if t * ep <= hardware.devices_per_node else inter)
+    cp = context_parallel_size
+    if cp > 1:
+        # Ulysses: q, k and v to whole sequences of a share of the heads, and the attention output back, over the
+        # context ranks, in forward and backward (and the forward's again under full recompute)
+        passes = 3 if recompute == "full" else 2
+        qkvo = 2 * h + 2 * spec.kv * (h // spec.heads)
+        volume = passes * (L / p) * m * b * s * qkvo / t * act_bytes * (cp - 1) / cp
+        all_to_all += volume / (intra if t * cp <= hardware.devices_per_node else inter)
     return StepTime(compute, bubble, tensor, data, pipeline, all_to_all)
