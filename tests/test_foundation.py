@@ -399,7 +399,7 @@ def test_finished_fits_leave_no_process_group_alive_once_dropped(group4) -> None
     rows = [line.split("\t") for line in (group4.out_dir / "timings.rank0.tsv").read_text().splitlines()[2:]]
     spec = {s["name"]: s for s in json.loads((group4.out_dir / "spec.json").read_text())}
     fits = [(name, int(threads)) for name, _, _, threads, _ in rows if not keeps_its_groups(spec[name])]
-    assert len(fits) > 40, fits
+    assert len(fits) >= 5, fits
     first = fits[0][1]  # the default group's threads and the first fit's groups kept for reuse by design
     grown = [(name, threads) for name, threads in fits if threads > first + 3]
     assert not grown, f"threads alive after a scenario grew from {first}: {grown[:5]}"
