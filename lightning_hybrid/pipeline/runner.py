@@ -414,8 +414,6 @@ class PipelineRunner:
             # on the micro-batches (1F1B wants one per stage), which an evaluation's last, smaller batch may not give
             name = "gpipe"
         cls = getattr(pipelining, SCHEDULES[name])
-        # the stage's output is the micro-batch's weighted loss, shape [1]: read as a scalar through a view, which
-        # (unlike a sum) launches no kernel in forward or backward, per micro-batch
         loss_fn = (lambda output, target: output.sum()) if training else None
         if name in MULTI_STAGE:
             schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
@@ -433,12 +431,13 @@ class PipelineRunner:
         tables = self._param_tables
         if tables is None:  # walking the module tree twice a step cost more than the moves
             tables = self._param_tables = [t for t in map(module_parameters, self.module.modules()) if t]
-        taken, seen = [], set()
-        for table in tables:  # what is registered now, as parameters() gives: FSDP2 swaps its (un)sharded tensors in
-            for p in table.values():
-                if p is not None and p.grad is not None and id(p) not in seen:  # tied weights once
-                    seen.add(id(p))
-                    taken.append((p, p.grad))
+        # what is registered now, as parameters() gives: FSDP2 swaps its (un)sharded tensors in
+        taken = [(p, g) for table in tables for p in table.values() if p is not None and (g := p.grad) is not None]
+        if len({id(p) for p, _ in taken}) < len(taken):  # tied weights: once, where first registered
+            unique: dict[int, tuple[nn.Parameter, Tensor]] = {}
+            for p, g in taken:
+                unique.setdefault(id(p), (p, g))
+            taken = list(unique.values())
         for p, _ in taken:
             p.grad = None
         return taken
