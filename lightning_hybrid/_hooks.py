@@ -114,14 +114,26 @@ def capture_call(module: nn.Module, run: Callable[[], Any]) -> Optional[tuple[tu
         ((1.0,), {})
     """
 
+    return capture_calls(module, [run])[0]
+
+
+def capture_calls(module: nn.Module, runs: list[Callable[[], Any]]) -> list[Optional[tuple[tuple, dict]]]:
+    """:func:`capture_call` for each of ``runs`` in turn, under one hook (the pipeline captures every micro-batch of
+    a step: one registration per step, not per micro-batch)."""
+
     def reached(_: nn.Module, args: tuple, kwargs: dict) -> None:
         raise _Reached(args, kwargs)
 
+    calls: list[Optional[tuple[tuple, dict]]] = []
     handle = module.register_forward_pre_hook(reached, with_kwargs=True, prepend=True)
     try:
-        run()
-    except _Reached as stop:
-        return stop.call
+        for run in runs:
+            try:
+                run()
+            except _Reached as stop:
+                calls.append(stop.call)
+            else:
+                calls.append(None)
     finally:
         handle.remove()
-    return None
+    return calls

@@ -7,7 +7,7 @@ runner read one table without importing each other.
 
 from __future__ import annotations
 
-__all__ = ["MULTI_STAGE", "PIPELINE_SCHEDULES", "SCHEDULES"]
+__all__ = ["MULTI_STAGE", "PIPELINE_SCHEDULES", "SCHEDULES", "SPLIT_BACKWARD"]
 
 SCHEDULES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
@@ -20,5 +20,9 @@ SCHEDULES: dict[str, str] = {
 
 MULTI_STAGE = frozenset({"interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"})
 """Schedules that run several stages per rank (built from a list of stages)."""
+
+SPLIT_BACKWARD = frozenset({"interleaved_zero_bubble", "zbv_zero_bubble"})
+"""Schedules whose backward splits into input and weight halves: the input gradient comes from
+``torch.autograd.grad``, laid out as the block made it (the others' full backward lays ``.grad`` out like the input)."""
 
 PIPELINE_SCHEDULES = tuple(SCHEDULES)

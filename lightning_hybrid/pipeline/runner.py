@@ -9,16 +9,17 @@ on every rank and nothing waits for a rank that never logs.
 The step is data (pipeline/step_data.py): a :class:`StepContext` handed to each stage module for the schedule's run, and
 a :class:`StepResults` the strategy logs once. The per-step and per-micro-batch work here is on the host's critical
 path (a pipeline step is many short actions): what the user's step logs is collected per micro-batch without
-Lightning's ``self.log`` (:class:`_LogCollector`), and travels as one small tensor once the logged names are known
-(``_share_results``); the stage swaps are built once (``NetworkSplit.active``); and only the micro-batches a rank's
-stages use are captured.
+Lightning's ``self.log`` (pipeline/logged.py), and travels as one small tensor once the logged names are known
+(``_share_results``); the stage swaps are built once (``NetworkSplit.active``); only the micro-batches a rank's
+stages use are captured, under one hook per step; and the received activation goes through an autograd function
+only where the schedule takes input gradients from ``torch.autograd.grad`` (``NetworkSplit.attached``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -27,24 +28,30 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._hooks import attribute_replaced, capture_call, first_tensor, forward_replaced, tensors_in
+from lightning_hybrid._hooks import (
+    capture_call,
+    capture_calls,
+    first_tensor,
+    forward_replaced,
+    tensors_in,
+)
 from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.metrics import MetricMirror
 from lightning_hybrid.pipeline.boundaries import trace_unsplit_forward
+from lightning_hybrid.pipeline.logged import LogCollector, log_dtype, merge_records, scalar_means
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
 from lightning_hybrid.pipeline.step_data import (
     ActionTimer,
-    LogRecord,
     StepContext,
     StepResults,
     StepTimeline,
     TimedStage,
 )
 from lightning_hybrid.pipeline.verify import FirstStepChecks, PipelineVerifier
-from lightning_hybrid.pipeline_schedules import MULTI_STAGE, SCHEDULES
+from lightning_hybrid.pipeline_schedules import MULTI_STAGE, SCHEDULES, SPLIT_BACKWARD
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -77,6 +84,7 @@ class PipelineRunner:
         self.last_stage = split.num_stages - 1
         # the last stage reruns the user's step: it needs the captured inputs of micro-batch 0 only (schedule key)
         self._capture_all = any(s != self.last_stage for s in self.stages)
+        self._split_backward = schedule in SPLIT_BACKWARD
         self._cache: dict[tuple, tuple[Any, dict[int, Tensor], Optional[frozenset[str]]]] = {}
         self._param_tables: Optional[list[dict[str, Optional[nn.Parameter]]]] = None
         self._schema: Optional[list[tuple[str, tuple, dict]]] = None
@@ -84,7 +92,7 @@ class PipelineRunner:
         records then travel as one tensor. The same on every rank (learned from the object broadcast)."""
         self._stashed: list[tuple[nn.Parameter, Tensor]] = []
         self._timer = ActionTimer(dist.get_rank())
-        self._log = _LogCollector()
+        self._log = LogCollector()
         self._metrics = MetricMirror(module)
         """The module's torchmetrics objects, updated on the last stage and mirrored on the others."""
         self.verifier: Optional[PipelineVerifier] = None
@@ -123,9 +131,7 @@ class PipelineRunner:
         microbatches = split_batch(batch, m)
         with self._log.installed(self.module):
             used = microbatches if self._capture_all else microbatches[:1]
-            step = StepContext(
-                mode, microbatches, extra, [self._capture(mode, mb, extra) for mb in used], self._run_stage
-            )
+            step = StepContext(mode, microbatches, extra, self._capture(mode, used, extra), self._run_stage)
             step.records, step.loss_scale = [[] for _ in range(m)], loss_scale
             schedule = self._schedule(training, m, step.captured[0])
             previous = self._take_gradients() if training else []
@@ -185,7 +191,7 @@ class PipelineRunner:
         for module in self.stages.values():
             module.context = step
         try:
-            with self.split.attached(step), nullcontext() if training else torch.no_grad():
+            with self.split.attached(step, self._split_backward), nullcontext() if training else torch.no_grad():
                 schedule.step(*args, **kwargs)
         finally:
             for module in self.stages.values():
@@ -203,7 +209,7 @@ class PipelineRunner:
         microbatch = verifier.common_microbatch(first.microbatches[0])
         # captured once per micro-batch: the network's inputs may carry a graph of modules outside it (torch's
         # nn.TransformerEncoder takes the embedding's output), which each micro-batch's backward goes through
-        captured = [self._capture(first.mode, microbatch, first.extra) for _ in range(m if self._capture_all else 1)]
+        captured = self._capture(first.mode, [microbatch] * (m if self._capture_all else 1), first.extra)
         step = StepContext(first.mode, [microbatch] * m, first.extra, captured, self._run_stage)
         step.records, step.weights, step.checks = [[] for _ in range(m)], [1.0] + [0.0] * (m - 1), first.checks
         # the check's runs of the user's step must not count in its torchmetrics objects
@@ -230,16 +236,18 @@ class PipelineRunner:
         self.verification = verifier.result
 
     # ------------------------------------------------------------------ capture and stage execution
-    def _capture(self, mode: str, microbatch: Any, extra: tuple) -> tuple[tuple, dict]:
-        """The network's arguments in the user's step for ``microbatch`` (the step stops at the network's call)."""
-        captured = capture_call(self.network, lambda: getattr(self.module, mode)(microbatch, *extra))
-        if captured is None:
+    def _capture(self, mode: str, microbatches: list[Any], extra: tuple) -> list[tuple[tuple, dict]]:
+        """The network's arguments in the user's step for each of ``microbatches`` (the step stops at the network's
+        call)."""
+        step = getattr(self.module, mode)
+        captured = capture_calls(self.network, [partial(step, mb, *extra) for mb in microbatches])
+        if any(c is None for c in captured):
             raise HybridConfigError(
                 f"Under pipeline parallel, `{mode}` must call the network ({type(self.network).__name__}) once; it"
                 " did not. If another module is the network, pass `HybridStrategy(pipeline_network='<its name>')`;"
                 " if the step calls no network at all, it cannot be pipelined."
             )
-        return captured
+        return captured  # type: ignore[return-value]
 
     def _run_stage(self, step: StepContext, stage: int, x: Tensor) -> Any:
         """A stage module's forward for the next micro-batch of ``step`` (torch's schedule calls it)."""
@@ -421,12 +429,13 @@ class PipelineRunner:
         tables = self._param_tables
         if tables is None:  # walking the module tree twice a step cost more than the moves
             tables = self._param_tables = [t for t in map(module_parameters, self.module.modules()) if t]
-        taken, seen = [], set()
-        for table in tables:  # what is registered now, as parameters() gives: FSDP2 swaps its (un)sharded tensors in
-            for p in table.values():
-                if p is not None and p.grad is not None and id(p) not in seen:  # tied weights once
-                    seen.add(id(p))
-                    taken.append((p, p.grad))
+        # what is registered now, as parameters() gives: FSDP2 swaps its (un)sharded tensors in
+        taken = [(p, g) for table in tables for p in table.values() if p is not None and (g := p.grad) is not None]
+        if len({id(p) for p, _ in taken}) < len(taken):  # tied weights: once, where first registered
+            unique: dict[int, tuple[nn.Parameter, Tensor]] = {}
+            for p, g in taken:
+                unique.setdefault(id(p), (p, g))
+            taken = list(unique.values())
         for p, _ in taken:
             p.grad = None
         return taken
@@ -442,7 +451,7 @@ class PipelineRunner:
             k = len(self._schema)
             matches = False
             if last:
-                means = _scalar_means(step.records, self._schema, self.device)
+                means = scalar_means(step.records, self._schema, self.device)
                 # a metric object's step (its state tensors) travels on the object path
                 matches = means is not None and not step.metrics
                 flag = (torch.ones if matches else torch.zeros)((), dtype=torch.float64, device=self.device)
@@ -461,14 +470,14 @@ class PipelineRunner:
             if not last:
                 matches = bool(packed[0].item())  # the step's one host read off the last stage
             if matches:
-                values = packed.to(_log_dtype())
+                values = packed.to(log_dtype())
                 logged = [(name, value, args, kwargs) for (name, args, kwargs), value in zip(self._schema, values[2:])]
                 return StepResults(packed[1].to(torch.get_default_dtype()), logged)
         payload: list[Any] = [None]
         if last:
             payload[0] = {
                 "loss": torch.stack(step.losses).mean().item() if training else None,
-                "records": self._metrics.referenced(_merge_records(step.records)),
+                "records": self._metrics.referenced(merge_records(step.records)),
                 "metrics": step.metrics,
                 "outputs": None if training else _to_cpu(merge_microbatches(step.outputs)) if step.outputs else None,
             }
@@ -487,112 +496,9 @@ class PipelineRunner:
         return StepResults(outputs, records)
 
 
-class _LogCollector:
-    """Stands in for ``LightningModule.log`` while the runner runs the user's step: each call is kept in ``sink``
-    (the current micro-batch's records on the last stage; values detached, DTensors made plain), or dropped when
-    ``sink`` is None (capturing the network's inputs, the verifier's reference). Lightning's own ``log`` runs once
-    per name per step, on the merged values (:meth:`StepResults.log`)."""
-
-    def __init__(self) -> None:
-        self.sink: Optional[list[LogRecord]] = None
-
-    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        sink = self.sink
-        if sink is None:
-            return
-        if isinstance(value, Tensor):  # the common case, without apply_to_collection's walk
-            value = (to_plain(value) if isinstance(value, DTensor) else value).detach().clone()
-        else:
-            value = apply_to_collection(value, DTensor, to_plain)
-            value = apply_to_collection(value, Tensor, lambda t: t.detach().clone())
-        sink.append((name, value, args, kwargs))
-
-    def installed(self, module: nn.Module) -> Any:
-        """``module.log`` is this collector meanwhile (a context manager)."""
-        return attribute_replaced(module, "log", self)
-
-
-def _log_dtype() -> torch.dtype:
-    """The dtype ``LightningModule.log`` gives a Python number (the object path logs floats)."""
-    dtype = torch.get_default_dtype()
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return a is b or bool(a == b)
-    except Exception:  # e.g. a tensor among the kwargs: no single truth value
-        return False
-
-
-def _by_name(per_microbatch: list[list[LogRecord]]) -> dict[str, tuple[list[Any], list[float], tuple, dict]]:
-    """Each logged name's values over the micro-batches, their weights in the batch's mean, and the arguments to log
-    the merged value with, in first-logged order (what both the tensor path and the object path of
-    ``_share_results`` merge). A value logged with ``batch_size=`` weighs by it and is logged with the micro-batches'
-    total: Lightning weights a step's value by its batch size in the epoch mean, and the batch is the micro-batches
-    together (one record's size, the micro-batch's, made a short last batch weigh too much in that mean)."""
-    merged: dict[str, tuple[list[Any], list[float], tuple, dict]] = {}
-    for records in per_microbatch:
-        for name, value, args, kwargs in records:
-            values, weights, _, _ = merged.setdefault(name, ([], [], args, kwargs))
-            values.append(value)
-            weights.append(kwargs.get("batch_size"))
-    for name, (values, weights, args, kwargs) in merged.items():
-        if all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in weights):
-            merged[name] = (values, weights, args, {**kwargs, "batch_size": sum(weights)})
-        else:  # no batch size given (or not a positive number): a plain mean, Lightning sizes the batch itself
-            merged[name] = (values, [1] * len(values), args, kwargs)
-    return merged
-
-
-def _scalar_means(
-    per_microbatch: list[list[LogRecord]], schema: list[tuple[str, tuple, dict]], device: torch.device
-) -> Optional[list[Tensor]]:
-    """The micro-batch means of the logged values as float64 tensors on ``device`` (no host sync), in the schema's
-    order; None when the records do not fit the schema (other names, order or arguments, or a value that is not a
-    number), as ``_merge_records`` would merge them."""
-    merged = _by_name(per_microbatch)
-    if len(merged) != len(schema):
-        return None
-    means = []
-    for (name, args, kwargs), (merged_name, (values, weights, merged_args, merged_kwargs)) in zip(
-        schema, merged.items()
-    ):
-        if name != merged_name or not _same(args, merged_args) or not _same(kwargs, merged_kwargs):
-            return None
-        column = []
-        for v, w in zip(values, weights):
-            if isinstance(v, Tensor):
-                if v.numel() != 1 or v.is_complex():
-                    return None
-                column.append(v.reshape(1).to(device=device, dtype=torch.float64) * w)
-            elif isinstance(v, (float, int)) and not isinstance(v, bool):
-                column.append(torch.tensor([float(v) * w], dtype=torch.float64, device=device))
-            else:
-                return None
-        total = sum(weights)
-        means.append((torch.cat(column).sum() / total) if len(column) > 1 else column[0].reshape(()) / total)
-    return means
-
-
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
 
 def _to_cpu(obj: Any) -> Any:
     return apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())
-
-
-def _merge_records(per_microbatch: list[list[tuple[str, Any, tuple, dict]]]) -> list[tuple[str, Any, tuple, dict]]:
-    """One record per logged name: the mean over micro-batches, weighted by their ``batch_size`` where one is logged
-    (as a single-device step over the whole batch would give for a mean-reduced quantity), in first-logged order."""
-    out = []
-    for name, (values, weights, args, kwargs) in _by_name(per_microbatch).items():
-        if all(isinstance(v, (Tensor, float, int)) and not isinstance(v, bool) for v in values):
-            value: Any = float(sum(float(v) * w for v, w in zip(values, weights)) / sum(weights))
-            if not math.isfinite(value):
-                value = float("nan") if math.isnan(value) else value
-        else:
-            value = values[-1]
-        out.append((name, _to_cpu(value), args, kwargs))
-    return out

@@ -286,20 +286,22 @@ class NetworkSplit:
         return swaps
 
     @contextmanager
-    def attached(self, step: StepContext) -> Generator[None, None, None]:
+    def attached(self, step: StepContext, split_backward: bool = True) -> Generator[None, None, None]:
         """For one step: on the first block of each of this rank's stages but the first, a forward pre-hook that
         substitutes the activation ``step.active`` received; on the last block of each but the last, a forward hook
         that stops the forward (:class:`StageBoundary`). Each acts only while its stage is ``step.active``.
         Registered for the step, so they are the modules' last hooks: other pre-hooks (sequence-parallel re-layout)
-        run before the substitution, other forward hooks before the stop."""
+        run before the substitution, other forward hooks before the stop. ``split_backward``: the schedule takes
+        input gradients from ``torch.autograd.grad`` (zero-bubble), so the received activation hands its gradient
+        on contiguous (:func:`contiguous_gradient`); a full backward lays ``.grad`` out like the (contiguous)
+        received buffer already, and the per-micro-batch autograd function is left out."""
         blocks = module_children(self.blocks)
         handles = []
         for stage in self.local_stages():
             own = self.plan.blocks(stage)
             if stage != 0:
-                handles.append(
-                    blocks[str(own.start)].register_forward_pre_hook(_receiver(step, stage), with_kwargs=True)
-                )
+                receive = _receiver(step, stage, split_backward)
+                handles.append(blocks[str(own.start)].register_forward_pre_hook(receive, with_kwargs=True))
             if stage != self.num_stages - 1:
                 handles.append(blocks[str(own.stop - 1)].register_forward_hook(_stopper(step, stage)))
         try:
@@ -309,8 +311,11 @@ class NetworkSplit:
                 handle.remove()
 
 
-def _receiver(step: StepContext, stage: int) -> Callable:
-    substitute = map_first_input(lambda _: contiguous_gradient(step.active[1]))  # type: ignore[index, arg-type]
+def _receiver(step: StepContext, stage: int, split_backward: bool) -> Callable:
+    if split_backward:
+        substitute = map_first_input(lambda _: contiguous_gradient(step.active[1]))  # type: ignore[index, arg-type]
+    else:
+        substitute = map_first_input(lambda _: step.active[1])  # type: ignore[index, return-value]
 
     def receive(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         active = step.active

@@ -1,0 +1,147 @@
+"""What the user's step logs under pipeline parallel: collected per micro-batch on the last stage without Lightning's
+``self.log`` (:class:`LogCollector`), then merged over the micro-batches into one value per name, as a single-device
+step over the whole batch gives for a mean-reduced value: as float64 tensors for the runner's one-tensor broadcast
+(:func:`scalar_means`), or as Python values for its object broadcast (:func:`merge_records`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_hybrid._hooks import attribute_replaced
+from lightning_hybrid.dtensor import to_plain
+from lightning_hybrid.pipeline.step_data import LogRecord
+
+__all__ = ["LogCollector", "log_dtype", "merge_records", "scalar_means"]
+
+
+class LogCollector:
+    """Stands in for ``LightningModule.log`` while the runner runs the user's step: each call is kept in ``sink``
+    (the current micro-batch's records on the last stage; values detached, DTensors made plain), or dropped when
+    ``sink`` is None (capturing the network's inputs, the verifier's reference). Lightning's own ``log`` runs once
+    per name per step, on the merged values (:meth:`StepResults.log`)."""
+
+    def __init__(self) -> None:
+        self.sink: Optional[list[LogRecord]] = None
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        sink = self.sink
+        if sink is None:
+            return
+        if isinstance(value, Tensor):  # the common case, without apply_to_collection's walk
+            value = (to_plain(value) if isinstance(value, DTensor) else value).detach().clone()
+        else:
+            value = apply_to_collection(value, DTensor, to_plain)
+            value = apply_to_collection(value, Tensor, lambda t: t.detach().clone())
+        sink.append((name, value, args, kwargs))
+
+    def installed(self, module: nn.Module) -> Any:
+        """``module.log`` is this collector meanwhile (a context manager)."""
+        return attribute_replaced(module, "log", self)
+
+
+def log_dtype() -> torch.dtype:
+    """The dtype ``LightningModule.log`` gives a Python number (the object path logs floats)."""
+    dtype = torch.get_default_dtype()
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # e.g. a tensor among the kwargs: no single truth value
+        return False
+
+
+def _by_name(per_microbatch: list[list[LogRecord]]) -> dict[str, tuple[list[Any], list[float], tuple, dict]]:
+    """Each logged name's values over the micro-batches, their weights in the batch's mean, and the arguments to log
+    the merged value with, in first-logged order (what both the tensor path and the object path of
+    ``_share_results`` merge). A value logged with ``batch_size=`` weighs by it and is logged with the micro-batches'
+    total: Lightning weights a step's value by its batch size in the epoch mean, and the batch is the micro-batches
+    together (one record's size, the micro-batch's, made a short last batch weigh too much in that mean)."""
+    merged: dict[str, tuple[list[Any], list[float], tuple, dict]] = {}
+    for records in per_microbatch:
+        for name, value, args, kwargs in records:
+            values, weights, _, _ = merged.setdefault(name, ([], [], args, kwargs))
+            values.append(value)
+            weights.append(kwargs.get("batch_size"))
+    for name, (values, weights, args, kwargs) in merged.items():
+        if all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in weights):
+            merged[name] = (values, weights, args, {**kwargs, "batch_size": sum(weights)})
+        else:  # no batch size given (or not a positive number): a plain mean, Lightning sizes the batch itself
+            merged[name] = (values, [1] * len(values), args, kwargs)
+    return merged
+
+
+def scalar_means(
+    per_microbatch: list[list[LogRecord]], schema: list[tuple[str, tuple, dict]], device: torch.device
+) -> Optional[list[Tensor]]:
+    """The micro-batch means of the logged values as float64 tensors on ``device`` (no host sync), in the schema's
+    order; None when the records do not fit the schema (other names, order or arguments, or a value that is not a
+    number), as :func:`merge_records` would merge them."""
+    merged = _by_name(per_microbatch)
+    if len(merged) != len(schema):
+        return None
+    means = []
+    for (name, args, kwargs), (merged_name, (values, weights, merged_args, merged_kwargs)) in zip(
+        schema, merged.items()
+    ):
+        if name != merged_name or not _same(args, merged_args) or not _same(kwargs, merged_kwargs):
+            return None
+        column = _weighted_column(values, weights, device)
+        if column is None:
+            return None
+        total = sum(weights)
+        means.append((column.sum() / total) if len(column) > 1 else column[0] / total)
+    return means
+
+
+def _weighted_column(values: list[Any], weights: list[float], device: torch.device) -> Optional[Tensor]:
+    """One logged name's values times their weights, as a float64 vector on ``device``; None where a value is not a
+    number. The usual case (one-element tensors of one dtype, unit weights: one ``self.log`` of a loss per
+    micro-batch) is one stack and one conversion instead of a few tensor operations per micro-batch; each element
+    is the same float64 number either way (float64 holds every float32, and a product by 1 is exact)."""
+    if all(isinstance(v, Tensor) for v in values):
+        if any(v.numel() != 1 or v.is_complex() for v in values):
+            return None
+        if len({v.dtype for v in values}) == 1 and len({v.device for v in values}) == 1:
+            column = torch.stack([v.reshape(()) for v in values]).to(device=device, dtype=torch.float64)
+            if all(w == 1 for w in weights):
+                return column
+            return column * torch.tensor(weights, dtype=torch.float64, device=device)
+    parts = []
+    for v, w in zip(values, weights):
+        if isinstance(v, Tensor):
+            if v.numel() != 1 or v.is_complex():
+                return None
+            parts.append(v.reshape(1).to(device=device, dtype=torch.float64) * w)
+        elif isinstance(v, (float, int)) and not isinstance(v, bool):
+            parts.append(torch.tensor([float(v) * w], dtype=torch.float64, device=device))
+        else:
+            return None
+    return torch.cat(parts)
+
+
+def _to_cpu(obj: Any) -> Any:
+    return apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())
+
+
+def merge_records(per_microbatch: list[list[tuple[str, Any, tuple, dict]]]) -> list[tuple[str, Any, tuple, dict]]:
+    """One record per logged name: the mean over micro-batches, weighted by their ``batch_size`` where one is logged
+    (as a single-device step over the whole batch would give for a mean-reduced quantity), in first-logged order."""
+    out = []
+    for name, (values, weights, args, kwargs) in _by_name(per_microbatch).items():
+        if all(isinstance(v, (Tensor, float, int)) and not isinstance(v, bool) for v in values):
+            value: Any = float(sum(float(v) * w for v, w in zip(values, weights)) / sum(weights))
+            if not math.isfinite(value):
+                value = float("nan") if math.isnan(value) else value
+        else:
+            value = values[-1]
+        out.append((name, _to_cpu(value), args, kwargs))
+    return out
