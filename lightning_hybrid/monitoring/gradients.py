@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor, nn
 
+from lightning_hybrid._lightning_compat import module_trainer
 from lightning_hybrid.config import HybridConfigError
 
 __all__ = ["check_gradient_norm_hooks", "grad_norm", "grad_norm_error", "raised_in_lightning_grad_norm"]
@@ -50,7 +51,7 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str], group_separa
         ...     def on_before_optimizer_step(self, optimizer):
         ...         self.log_dict(grad_norm(self, norm_type=2))
     """
-    trainer = getattr(module, "_trainer", None)  # a LightningModule's (its `trainer` property raises without one)
+    trainer = module_trainer(module)  # a LightningModule's (its `trainer` property raises without one)
     norms_of = getattr(getattr(trainer, "strategy", None), "gradient_norms", None)
     if norms_of is None:
         return lightning_grad_norm(module, norm_type, group_separator)
@@ -90,7 +91,7 @@ def check_gradient_norm_hooks(module: Any, layout: Any, master_weights: bool) ->
     )
     if whole:
         return
-    trainer = getattr(module, "_trainer", None)
+    trainer = module_trainer(module)
     holders = [module, *(getattr(trainer, "callbacks", None) or [])]
     for holder in holders:
         for name, function in _user_methods(type(holder)):
