@@ -11,7 +11,7 @@ from lightning_hybrid.config import (
     ZeroOptions,
 )
 from lightning_hybrid.layout import ParallelLayout
-from lightning_hybrid.monitoring import CommunicationMeter, HealthChecks, HybridMonitor
+from lightning_hybrid.monitoring import CommunicationMeter, HealthChecks, HybridMonitor, grad_norm
 from lightning_hybrid.planning import plan
 from lightning_hybrid.precision import HybridPrecision
 from lightning_hybrid.strategy import HybridStrategy
@@ -28,6 +28,7 @@ __all__ = [
     "PipelineOptions",
     "TensorParallelOptions",
     "ZeroOptions",
+    "grad_norm",
     "plan",
 ]
 

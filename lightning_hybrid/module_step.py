@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.data import check_replica_batches
 from lightning_hybrid.dtensor import to_plain
+from lightning_hybrid.monitoring.gradients import check_gradient_norm_hooks
 
 if TYPE_CHECKING:
     from lightning_hybrid.parallelize import Parallelized
@@ -69,7 +70,12 @@ def step_hook(name: str) -> Callable[..., Any]:
 def check_before_fit(module: Any, layout: Any) -> None:
     """What the layout cannot train as ``"ddp"`` would, refused on every rank before any process group exists."""
     check_manual_optimization(module, layout.pipeline_parallel_size)
-    check_weight_averaging(getattr(module, "_trainer", None), layout)
+    trainer = getattr(module, "_trainer", None)
+    check_weight_averaging(trainer, layout)
+    if trainer is not None and trainer.state.fn == "fit":
+        # the "-true" precisions step fp32 masters, which hold the reduced gradients (p.grad is None)
+        master_weights = getattr(trainer.precision_plugin, "precision", "32-true") in ("bf16-true", "16-true")
+        check_gradient_norm_hooks(module, layout, master_weights)
 
 
 def check_manual_optimization(module: Any, pipeline_parallel_size: int) -> None:

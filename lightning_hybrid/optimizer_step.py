@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from torch import nn
 
 from lightning_hybrid._lightning_compat import unwrap_optimizer
+from lightning_hybrid.monitoring.gradients import grad_norm_error, raised_in_lightning_grad_norm
 from lightning_hybrid.precision.plugin import HybridPrecision, OptimizerStepState
 from lightning_hybrid.sharding.gradient_step import GradientStep
 
@@ -101,6 +102,10 @@ class OptimizerStep:
             # gradient clipping (HybridPrecision.clip_grad_by_norm -> self.clip), then this rank's optimizer step,
             # skipped on every rank if state.found_inf
             output = precision.optimizer_step(optimizer, model, step_and_its_gradients, state, **kwargs)
+        except RuntimeError as error:
+            if raised_in_lightning_grad_norm(error):  # reached through code the set-up check does not read
+                raise grad_norm_error("`on_before_optimizer_step` (or a function it calls)") from error
+            raise
         finally:
             state.taken_norm = None  # clipping after the step measures the gradients as they are then
             self._inside_step = False

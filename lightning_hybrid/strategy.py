@@ -446,8 +446,7 @@ class HybridStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ gradients (optimizer_step.py, sharding/)
     @property
     def gradient_buckets(self) -> list[list[dict[str, int]]]:
-        """Per optimizer, per gradient bucket (``overlap_grad_reduce``): parameters, bytes, all-reduces started and
-        how many of them started during backward (empty lists where the gradients are not bucketed)."""
+        """Per optimizer, per gradient bucket: ``GradientStep.bucket_stats`` (empty before the optimizers)."""
         return self._optimizer_step.gradients.bucket_stats() if self._optimizer_step is not None else []
 
     @property
@@ -469,19 +468,20 @@ class HybridStrategy(ParallelStrategy):
         return self._optimizer_step.gradients.sharded_for(optimizer) if self._optimizer_step is not None else None
 
     def clip_gradients_by_global_norm(self, max_norm: float) -> float:
-        """Clip every gradient by the norm over all shards (TP, PP, ZeRO), counting each element once, as on one
-        device; returns that norm (before clipping). Collective: all ranks call it (Lightning does, per step)."""
+        """Clip by the one-device global norm; returns it before clipping (``OptimizerStep.clip``; all ranks)."""
         return self._require_optimizer_step().clip(max_norm)
 
     def reduce_gradients(self, sharded: Optional[ShardedOptimizer] = None) -> None:
-        """Make gradients the single-device ones: tensor-parallel replicas first, then data-parallel (ZeRO) reduction.
-        Runs once per optimizer step, after all gradient accumulation (FSDP2 reduces ZeRO-3 gradients itself)."""
+        """Make gradients the single-device ones (``GradientStep.reduce``), once per optimizer step."""
         self._require_optimizer_step().gradients.reduce(sharded)
 
     def full_gradients(self) -> dict[str, Tensor]:
-        """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
-        on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
+        """Every reduced gradient, gathered whole (``GradientStep.full_gradients``; collective, all ranks)."""
         return self._require_optimizer_step().gradients.full_gradients()
+
+    def gradient_norms(self, module: nn.Module, norm_type: float = 2.0) -> dict[str, float]:
+        """Each gradient's norm by its one-device name (``GradientStep.gradient_norms``; collective, all ranks)."""
+        return self._require_optimizer_step().gradients.gradient_norms(module, norm_type)
 
     @property
     def pipeline_timeline(self) -> Any:

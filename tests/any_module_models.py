@@ -99,3 +99,16 @@ def build_any_module(model: str, **kwargs: Any) -> L.LightningModule | None:
     if model not in classes:
         return None
     return classes[model](**kwargs)
+
+
+def monitor_record(trainer: L.Trainer, directory: Any) -> dict[str, Any]:
+    """What the strategy's ``HybridMonitor`` counted: every rank's measured FLOPs per sample, and the metrics of its
+    last logging step (run after the fit on every rank: one object all-gather)."""
+    import torch.distributed as dist
+
+    from lightning_hybrid.monitoring import HybridMonitor
+
+    (monitor,) = [c for c in trainer.callbacks if isinstance(c, HybridMonitor)]
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, monitor.measured_flops_per_sample)
+    return {"flops_per_sample": per_rank, "metrics": dict(monitor.last_metrics)}

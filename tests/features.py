@@ -22,9 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch.utils.data import DataLoader, Subset
 
 from examples.nanogpt import NanoGPT
+from lightning_hybrid import grad_norm
 from tests.harness import MODEL_DEFAULTS, SEED, make_dataset
 
 FEATURE_MODEL = {**MODEL_DEFAULTS["nanogpt"], "n_layer": 4, "bias": False}  # why no biases: docs/testing.md
@@ -99,6 +101,12 @@ class FeatureGPT(NanoGPT):
         x, _ = batch
         return self(x).argmax(-1)
 
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        # as Lightning's documentation shows it, with lightning_hybrid's grad_norm (Lightning's under "ddp"): each
+        # parameter's gradient norm and the total, for the whole model (every second step: it gathers every gradient)
+        if self.global_step % 2 == 0:
+            self.log_dict(grad_norm(self, norm_type=2))
+
     def configure_optimizers(self) -> Any:
         # SGD, not the example's AdamW: Adam's update hardly depends on the gradient's scale, so a gradient off by the
         # accumulation factor would move the weights by 3e-5 relative only; SGD's moves them by the whole factor
@@ -130,11 +138,31 @@ class _RecordingLogger(Logger):
         pass
 
 
+def _lightning_norms(module: L.LightningModule) -> dict[str, torch.Tensor]:
+    """Lightning's grad_norm called from a function outside the module's class: the set-up check does not read it."""
+    return lightning_grad_norm(module, norm_type=2)
+
+
+class LightningNormsGPT(FeatureGPT):
+    """Lightning's own ``grad_norm`` in the hook, named there: refused at set-up where it cannot log ddp's values."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log_dict(lightning_grad_norm(self, norm_type=2))
+
+
+class HiddenLightningNormsGPT(FeatureGPT):
+    """Lightning's own ``grad_norm`` reached through a helper: under ZeRO-3 it fails at the first step."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log_dict(_lightning_norms(self))
+
+
 def build_feature_module(model: str, **kwargs: Any) -> Optional[L.LightningModule]:
-    if model != "feature_gpt":
+    classes = {"feature_gpt": FeatureGPT, "lightning_norms": LightningNormsGPT, "hidden": HiddenLightningNormsGPT}
+    if model not in classes:
         return None
     L.seed_everything(SEED, verbose=False)
-    return FeatureGPT(**{**FEATURE_MODEL, **kwargs})
+    return classes[model](**{**FEATURE_MODEL, **kwargs})
 
 
 def _floats(values: dict[str, Any]) -> dict[str, float]:
@@ -148,7 +176,7 @@ def run_features(scenario: dict[str, Any], out_dir: Path) -> None:
     world = int(os.environ["WORLD_SIZE"])
     spec = scenario["strategy"]
     strategy = spec if isinstance(spec, str) else HybridStrategy(**spec)
-    module = build_feature_module("feature_gpt")
+    module = build_feature_module(scenario.get("module", "feature_gpt"))
     logger = _RecordingLogger()
     trainer = L.Trainer(
         accelerator="cpu",

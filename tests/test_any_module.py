@@ -35,13 +35,19 @@ def scenario(name: str, model: str, strategy: Any, dp: int = 2, **extra: Any) ->
             "batch_size": BATCH, "data_parallel_size": dp, "dataset": "images", **extra}  # fmt: skip
 
 
+# a logger: the strategy adds its HybridMonitor, which measures the MLP's training FLOPs (not a transformer)
+MONITORED = {"logger": "csv", "trainer": {"log_every_n_steps": 2},
+             "after_fit": "tests.any_module_models:monitor_record"}  # fmt: skip
 PARITY = [
     # the registered name with its defaults, as a user writes it: `Trainer(strategy="hybrid", devices=2)` (ZeRO-1)
     scenario("cnn-dp2-by-name", "cnn", "hybrid"),
     *[scenario(f"cnn-dp2-zero{z}", "cnn", {"zero_stage": z}) for z in (0, 2, 3)],
-    *[scenario(f"mlp-dp2-zero{z}", "mlp", {"zero_stage": z}) for z in (0, 1, 2, 3)],
+    *[scenario(f"mlp-dp2-zero{z}", "mlp", {"zero_stage": z}) for z in (0, 1, 2)],
+    scenario("mlp-dp2-zero3", "mlp", {"zero_stage": 3}, **MONITORED),
     # tensor parallel with a dict plan needs no block list either
-    scenario("mlp-tp2-dictplan", "mlp", {"tensor_parallel_size": 2, "tensor_parallel_plan": MLP_PLAN}, dp=1),
+    scenario(
+        "mlp-tp2-dictplan", "mlp", {"tensor_parallel_size": 2, "tensor_parallel_plan": MLP_PLAN}, dp=1, **MONITORED
+    ),
 ]
 # BatchNorm's running statistics differ between the replicas: the checkpoint takes the first replica's (as DDP saves
 # rank 0's), and the resumed run continues the one-device reference exactly (training mode uses batch statistics)
@@ -111,6 +117,30 @@ def test_data_parallel_of_a_module_without_blocks_matches_one_device(group2, cas
         for key, want in expected.items():
             got = record["model_state"][key]
             assert abs(got - want) <= 0.05 * want, f"rank {rank} {key}: measured {got}, formula {want}"
+
+
+@pytest.mark.parametrize("case", [c for c in PARITY if "after_fit" in c], ids=lambda c: c["name"])
+def test_flops_of_a_module_that_is_not_a_transformer_are_lightnings_measure_flops_on_one_device(group2, case) -> None:
+    """The monitor counts a step's FLOPs as Lightning's ``measure_flops`` does on one device (forward and backward
+    of the training step, torch's FLOP counter), exactly, on every rank though ZeRO-3 shards the MLP and tensor
+    parallel splits it (measured on the unsplit module's meta copy); the achieved FLOP/s it logs on CPU is that count
+    per sample times the samples per second."""
+    from lightning.fabric.utilities.throughput import measure_flops
+
+    from tests.any_module_models import IMAGE_SHAPE, SmallMLP
+
+    one_device = SmallMLP()
+    one_device.log = lambda *args, **kwargs: None  # no trainer to log to
+    batch = (torch.zeros(BATCH, *IMAGE_SHAPE), torch.zeros(BATCH, dtype=torch.long))
+    step_flops = measure_flops(one_device, lambda: one_device.training_step(batch, 0), loss_fn=lambda loss: loss)
+    parameters = sum(p.numel() for p in one_device.parameters())
+    assert step_flops > 0 and step_flops != 6 * parameters * BATCH  # not the transformer formula
+    record = group2.get(case["name"])["after_fit"]
+    assert [per_sample * BATCH for per_sample in record["flops_per_sample"]] == [step_flops] * 2, record
+    metrics = record["metrics"]
+    achieved = metrics["throughput/flops_per_s"] / metrics["throughput/samples_per_s"]
+    assert achieved == pytest.approx(step_flops / BATCH, rel=1e-9)
+    assert metrics["throughput/flops_per_s_per_device"] == pytest.approx(metrics["throughput/flops_per_s"] / 2)
 
 
 @pytest.mark.parametrize(

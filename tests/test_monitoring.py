@@ -788,3 +788,43 @@ def test_peak_flops_of_an_h200_that_lightnings_table_does_not_match(monkeypatch:
     assert device_peak_flops(cuda, torch.float32) == 494.7e12  # TF32
     monkeypatch.setattr(throughput, "get_available_flops", lambda device, dtype: 1.0e15)
     assert device_peak_flops(cuda, torch.bfloat16) == 1.0e15
+
+
+def test_step_flops_measured_on_a_meta_copy_taken_before_configure_model_builds_the_layers() -> None:
+    """The monitor's copy is taken before the strategy's set-up, so a module built in ``configure_model`` has no
+    layers yet: measuring builds them on meta tensors and counts what ``measure_flops`` counts on one device; a step
+    that reads a value cannot run on meta tensors and gives None (the monitor then falls back to 6N), with a
+    warning."""
+    import lightning as L
+    from lightning.fabric.utilities.throughput import measure_flops
+    from torch import nn
+
+    from lightning_hybrid.monitoring.flops import measure_training_flops, unsplit_meta_copy
+
+    class Built(L.LightningModule):
+        def __init__(self, read_value: bool = False) -> None:
+            super().__init__()
+            self.net: Any = None
+            self.read_value = read_value
+
+        def configure_model(self) -> None:
+            if self.net is None:
+                self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            self.log("loss", loss.item() if self.read_value else loss)
+            return {"loss": loss}
+
+    batch = (torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))
+    module = Built()
+    copy = unsplit_meta_copy(module)
+    measured = measure_training_flops(copy, batch)
+    assert module.net is None and copy is not None and copy.net is not None  # the original is left as it was
+    module.configure_model()
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    expected = measure_flops(module, lambda: module.training_step(batch, 0)["loss"], loss_fn=lambda loss: loss)
+    assert measured == expected > 0
+    with pytest.warns(UserWarning, match="could not be measured on meta tensors"):
+        assert measure_training_flops(unsplit_meta_copy(Built(read_value=True)), batch) is None

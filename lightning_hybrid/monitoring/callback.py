@@ -22,7 +22,13 @@ from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.monitoring.comm import CommunicationMeter
 from lightning_hybrid.monitoring.console import format_console_line
 from lightning_hybrid.monitoring.experts import expert_load_metrics, expert_shards_of, take_expert_tokens
-from lightning_hybrid.monitoring.flops import count_parameters, device_peak_flops, transformer_flops_per_token
+from lightning_hybrid.monitoring.flops import (
+    count_parameters,
+    device_peak_flops,
+    measure_training_flops,
+    transformer_flops_per_token,
+    unsplit_meta_copy,
+)
 from lightning_hybrid.monitoring.loggers import use_offline_wandb_without_credentials
 
 __all__ = ["HybridMonitor"]
@@ -58,8 +64,10 @@ class HybridMonitor(L.Callback):
 
     Arguments:
         log_every_n_steps: logging interval in optimizer steps (default: the Trainer's ``log_every_n_steps``).
-        flops_per_token: training FLOPs per token (default: the module's ``flops_per_token`` attribute or method,
-            else ``6 N + 12 L H T`` from the parameter count and the module's hyperparameters).
+        flops_per_token: training FLOPs per token, or per sample where a batch holds no token ids (default: the
+            module's ``flops_per_token`` attribute or method; else, for a transformer, whose hyperparameters name its
+            layer count, ``6 N + 12 L H T`` from the parameter count and those hyperparameters; else one training
+            step measured once on meta tensors by Lightning's ``measure_flops``, per sample: docs/monitoring.md).
         peak_flops: peak FLOP/s of one device (default: Lightning's device table, ``get_available_flops``, for the
             precision's compute dtype; unknown on CPU, so no MFU there).
         console: print one line per logging step on global rank 0.
@@ -136,6 +144,9 @@ class HybridMonitor(L.Callback):
         (a pass over the gradients and an all-reduce: on logging steps only)."""
         self._tokens_per_sample = 1.0
         self._num_parameters = 0
+        self._unsplit: Optional[L.LightningModule] = None
+        self.measured_flops_per_sample: Optional[float] = None
+        """Training FLOPs per sample measured on the first batch (a module that is not a transformer), else None."""
         self._config_logged = False
         self._throughput: Optional[Throughput] = None
         self._totals: dict[str, float] = {}
@@ -144,6 +155,10 @@ class HybridMonitor(L.Callback):
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         use_offline_wandb_without_credentials(trainer.loggers)
+        self.measured_flops_per_sample = None
+        if stage == "fit" and self.flops_per_token is None and not _counts_flops(pl_module):
+            # before the strategy splits the module (its set-up follows this hook): measured at the first batch
+            self._unsplit = unsplit_meta_copy(pl_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the whole model's parameter count: a collective over the pipeline dimension, so here, on every rank
@@ -156,6 +171,11 @@ class HybridMonitor(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._unsplit is not None:  # once, on every rank alike (meta tensors: no memory, no collective)
+            samples = _count(batch)[0]
+            flops = measure_training_flops(self._unsplit, batch) if samples else None
+            self.measured_flops_per_sample = flops / samples if flops is not None else None
+            self._unsplit = None
         if self._last_batch_end is None:
             self._last_batch_end = time.perf_counter()
         logging_step = (trainer.global_step + 1) % self._every(trainer) == 0
@@ -361,7 +381,10 @@ class HybridMonitor(L.Callback):
         totals["samples"] += window["samples"]
         totals["lengths"] += window["tokens"]
         # FLOPs whenever the step's count is known, also without a peak (CPUs): FLOP/s is logged there, MFU is not
-        flops = self._flops_per_token(pl_module) * window["tokens"]
+        if self.measured_flops_per_sample is not None:
+            flops = self.measured_flops_per_sample * window["samples"]
+        else:
+            flops = self._flops_per_token(pl_module) * window["tokens"]
         throughput.update(
             time=totals["time"], batches=totals["batches"], samples=totals["samples"], lengths=totals["lengths"],
             flops=flops,
@@ -524,6 +547,13 @@ def _gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _counts_flops(pl_module: L.LightningModule) -> bool:
+    """Whether the module gives its FLOPs (``flops_per_token``) or is a transformer (its hyperparameters name its
+    layer count), whose FLOPs per token the formula gives: otherwise a training step is measured."""
+    hparams = dict(getattr(pl_module, "hparams", {}) or {})
+    return getattr(pl_module, "flops_per_token", None) is not None or any(k in hparams for k in _LAYER_KEYS)
 
 
 def _count(batch: Any) -> tuple[int, int]:

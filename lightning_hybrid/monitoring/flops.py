@@ -1,4 +1,5 @@
-"""Model FLOPs per token, device peak FLOP/s and the parameter count of a split model: the parts of MFU."""
+"""Model FLOPs per token (a transformer's formula) or per sample (measured, any other module), device peak FLOP/s
+and the parameter count of a split model: the parts of MFU."""
 
 from __future__ import annotations
 
@@ -6,12 +7,23 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+
+from lightning_hybrid._lightning_compat import module_device_mesh, module_trainer
+from lightning_hybrid.pipeline.boundaries import meta_copy, to_meta
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["count_parameters", "device_peak_flops", "transformer_flops_per_token"]
+__all__ = [
+    "count_parameters",
+    "device_peak_flops",
+    "measure_training_flops",
+    "transformer_flops_per_token",
+    "unsplit_meta_copy",
+]
 
 
 # A GPU named plainly "NVIDIA H200" matches no key of Lightning 2.6's table (it knows "h200 sxm1"/"nvl1", and lists
@@ -79,3 +91,62 @@ def _mesh_device(device_mesh: Any) -> torch.device:
     if device_mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device_mesh.device_type)
+
+
+def unsplit_meta_copy(module: nn.Module) -> Optional[nn.Module]:
+    """A copy of the LightningModule ``module`` as it is before the strategy splits it, every parameter and buffer on
+    the meta device (no memory), sharing its trainer and mesh; its ``log``/``log_dict`` do nothing. None where it
+    cannot be copied. Take it before ``HybridStrategy.setup`` (a callback's ``setup`` hook): the rank never holds
+    the whole model after that, and may never have (deferred construction: the copy's ``configure_model`` builds its
+    layers on meta tensors when it is measured)."""
+    trainer = module_trainer(module)
+    copy = meta_copy(module, keep=(trainer, module_device_mesh(module), getattr(trainer, "datamodule", None)))
+    if copy is not None:
+        copy.log = copy.log_dict = _ignore  # its step's values are not the fit's
+    return copy
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def measure_training_flops(unsplit: Any, batch: Any) -> Optional[int]:
+    """FLOPs of one training step of ``unsplit`` (from :func:`unsplit_meta_copy`) on ``batch``: its
+    ``training_step`` on meta tensors of the batch's shapes and the backward of the loss it returns, counted by
+    Lightning's :func:`~lightning.fabric.utilities.throughput.measure_flops` (torch's ``FlopCounterMode``: matrix
+    multiplications, convolutions, attention). The same count on every rank, whatever the layout, with no
+    collective and no memory. None (with a warning) where the step cannot run on meta tensors (it reads values:
+    ``.item()``, a metric updated with them) or returns no loss.
+
+    Example:
+        >>> import lightning as L
+        >>> class Linear(L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer = nn.Linear(8, 4, bias=False)
+        ...     def training_step(self, batch, batch_idx):
+        ...         return self.layer(batch).sum()
+        >>> measure_training_flops(unsplit_meta_copy(Linear()), torch.zeros(2, 8))  # 2x8x4x2 forward, as many for dW
+        256
+    """
+    from lightning.fabric.utilities.throughput import measure_flops
+
+    inputs = to_meta(batch)
+
+    def step() -> torch.Tensor:
+        if is_overridden("configure_model", unsplit):  # built there: layers the copy does not have yet
+            with torch.device("meta"):
+                unsplit.configure_model()
+        output = unsplit.training_step(inputs, 0)
+        return output["loss"] if isinstance(output, dict) else output
+
+    try:
+        return int(measure_flops(unsplit, step, loss_fn=lambda loss: loss))
+    except Exception as error:  # the user's step on meta tensors: anything may refuse them
+        rank_zero_warn(
+            f"HybridMonitor: the training step's FLOPs could not be measured on meta tensors ({type(error).__name__}:"
+            f" {error}); FLOP/s and MFU fall back to 6 x parameters per sample. Give the module a"
+            " `flops_per_token` attribute or method (FLOPs per sample for a batch without token ids), or pass"
+            " `HybridMonitor(flops_per_token=...)`."
+        )
+        return None

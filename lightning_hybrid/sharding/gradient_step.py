@@ -7,10 +7,11 @@ The strategy builds one :class:`GradientStep` per fit (after ``configure_optimiz
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -22,6 +23,7 @@ from lightning_hybrid.sharding.gradient_sync import GradientSync
 from lightning_hybrid.sharding.memory import measure_model_state_bytes
 from lightning_hybrid.sharding.norm import GradientNorm
 from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
+from lightning_hybrid.structure import state_dict_name
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -73,7 +75,9 @@ class GradientStep:
         offload: bool,
         experts: Optional[ExpertShards] = None,
     ) -> None:
-        self.module, self.optimizers, self.device = module, optimizers, device
+        self.module, self.optimizers, self.device, self.mesh = module, optimizers, device, mesh
+        self.duplicates = frozenset(id(p) for p in duplicates)
+        """Parameters whose gradient another pipeline stage owns (a tied copy): left out of the norms."""
         self.gradient_sync, self.tied_sync = gradient_sync, tied_sync
         expert_ids = experts.ids if experts is not None else frozenset()
         expert_domain = None
@@ -194,18 +198,39 @@ class GradientStep:
     def full_gradients(self) -> dict[str, Tensor]:
         """Every parameter's reduced gradient as a full tensor (gathered over TP and ZeRO shards). Collective: call it
         on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
+        return {name: grad for name, grad in self._full_gradients(self.module)}
+
+    def gradient_norms(self, module: nn.Module, norm_type: float) -> dict[str, float]:
+        """The ``norm_type``-norm of each reduced gradient of ``module`` (the LightningModule or a submodule of it)
+        over the whole model, by its one-device name: each full gradient (gathered one parameter at a time over
+        TP and ZeRO-3 shards; ZeRO-1/2 gather their flat shards), every pipeline stage's merged, a tied copy that
+        another stage owns left out (one device lists a tied weight once). Collective: call it on all ranks, between
+        the reduction and the optimizer step (``on_before_optimizer_step``)."""
+        norms = {
+            state_dict_name(name): float(grad.norm(norm_type))
+            for name, grad in self._full_gradients(module, skip=self.duplicates)
+        }
+        pipeline = self.mesh["pipeline"]
+        if pipeline.size() == 1:
+            return norms
+        # a rank holds its stages' parameters only: the stages' names are disjoint (a parameter every stage holds,
+        # outside all blocks, has the same gradient on each after the shared sum)
+        stages: list[Any] = [None] * pipeline.size()
+        dist.all_gather_object(stages, norms, group=pipeline.get_group())
+        return {name: value for stage in stages for name, value in stage.items()}
+
+    def _full_gradients(self, module: nn.Module, skip: frozenset[int] = frozenset()) -> Iterator[tuple[str, Tensor]]:
+        """(name, full gradient) of each parameter of ``module`` with a gradient, one at a time (collective)."""
         grads: dict[int, Optional[Tensor]] = {}
         for z in self.sharded:
             grads.update({id(p): g for p, g in zip(z.model_parameters, z.gathered_gradients())})
-        out = {}
-        for name, p in self.module.named_parameters():
+        for name, p in module.named_parameters():
             g = grads.get(id(p), p.grad)
-            if g is None:
+            if g is None or id(p) in skip:
                 continue
             if isinstance(p, DTensor) and not isinstance(g, DTensor):
                 g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            out[name] = full_tensor(g)  # fused projections too, on every torch of the supported range
-        return out
+            yield name, full_tensor(g)  # fused projections too, on every torch of the supported range
 
     def bucket_stats(self) -> list[list[dict[str, int]]]:
         """Per optimizer, per gradient bucket: parameters, bytes, all-reduces started and how many of them started
