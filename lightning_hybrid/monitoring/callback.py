@@ -27,6 +27,7 @@ from lightning_hybrid.monitoring.flops import (
     device_peak_flops,
     measure_training_flops,
     transformer_flops_per_token,
+    transformer_sizes,
     unsplit_meta_copy,
 )
 from lightning_hybrid.monitoring.loggers import use_offline_wandb_without_credentials
@@ -34,10 +35,6 @@ from lightning_hybrid.monitoring.loggers import use_offline_wandb_without_creden
 __all__ = ["HybridMonitor"]
 
 DIMENSIONS = ("tensor", "pipeline", "data", "expert")
-_LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers", "n_layers")
-_HIDDEN_KEYS = ("n_embd", "hidden_size", "d_model", "dim")
-
-
 class HybridMonitor(L.Callback):
     """Logs a 3D run's health every ``log_every_n_steps`` optimizer steps, to every logger of the Trainer (W&B, CSV,
     TensorBoard, ...), as one console line, and in the progress bar; raises alerts.
@@ -406,9 +403,7 @@ class HybridMonitor(L.Callback):
         own: Union[None, float, Callable[[], float]] = getattr(pl_module, "flops_per_token", None)
         if own is not None:
             return float(own() if callable(own) else own)
-        hparams = dict(getattr(pl_module, "hparams", {}) or {})
-        layers = next((int(hparams[k]) for k in _LAYER_KEYS if k in hparams), 0)
-        hidden = next((int(hparams[k]) for k in _HIDDEN_KEYS if k in hparams), 0)
+        layers, hidden = transformer_sizes(pl_module)
         return transformer_flops_per_token(self._num_parameters, layers, hidden, int(self._tokens_per_sample))
 
     def _log_config(self, trainer: L.Trainer, window: dict[str, Any]) -> None:
@@ -550,10 +545,10 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _counts_flops(pl_module: L.LightningModule) -> bool:
-    """Whether the module gives its FLOPs (``flops_per_token``) or is a transformer (its hyperparameters name its
-    layer count), whose FLOPs per token the formula gives: otherwise a training step is measured."""
-    hparams = dict(getattr(pl_module, "hparams", {}) or {})
-    return getattr(pl_module, "flops_per_token", None) is not None or any(k in hparams for k in _LAYER_KEYS)
+    """Whether the module gives its FLOPs (``flops_per_token``) or is a transformer (its hyperparameters or its
+    model's configuration name its layer count), whose FLOPs per token the formula gives: otherwise a training step
+    is measured."""
+    return getattr(pl_module, "flops_per_token", None) is not None or transformer_sizes(pl_module)[0] > 0
 
 
 def _count(batch: Any) -> tuple[int, int]:

@@ -66,6 +66,32 @@ def transformer_flops_per_token(
     return 6.0 * num_parameters + 12.0 * num_layers * hidden_size * sequence_length
 
 
+_LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers", "n_layers")
+_HIDDEN_KEYS = ("n_embd", "hidden_size", "d_model", "dim")
+
+
+def transformer_sizes(module: nn.Module) -> tuple[int, int]:
+    """``(layers, hidden)`` of a transformer, from the module's hyperparameters, else from the configuration of the
+    first submodule that has one (a Hugging Face model kept as an attribute: ``self.net.config``); ``(0, 0)`` when
+    neither names a layer count: not a transformer the formula can count.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> holder = nn.Module()
+        >>> holder.net = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...                                           num_attention_heads=4, vocab_size=64))
+        >>> transformer_sizes(holder)
+        (2, 32)
+    """
+    sources = [dict(getattr(module, "hparams", {}) or {})]
+    sources += [vars(m.config) for m in module.modules() if hasattr(getattr(m, "config", None), "__dict__")][:1]
+    for values in sources:
+        layers = next((int(values[k]) for k in _LAYER_KEYS if isinstance(values.get(k), int)), 0)
+        if layers:
+            return layers, next((int(values[k]) for k in _HIDDEN_KEYS if isinstance(values.get(k), int)), 0)
+    return 0, 0
+
+
 def count_parameters(module: nn.Module, device_mesh: Optional[DeviceMesh] = None) -> int:
     """Parameters of the whole (unsplit) model, counted on any rank of a 3D run: a DTensor counts its global size
     (tensor parallel, ZeRO-3 shards), and pipeline stages are summed over the pipeline dimension (a collective over
