@@ -30,9 +30,8 @@ are the pipeline check's (``pipeline/verify.py``).
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -46,6 +45,7 @@ from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.context_parallel.batch import sequence_length
 from lightning_hybrid.context_parallel.exchange import ContextShard
 from lightning_hybrid.dtensor import full_tensor
+from lightning_hybrid.pipeline.boundaries import map_tensors
 from lightning_hybrid.pipeline.verify import LOSS_ERROR_FLOOR, LOW_PRECISION_TOLERANCE, TOLERANCES, deterministic
 
 __all__ = ["PROBE_POSITIONS", "ContextLossProbe"]
@@ -217,7 +217,7 @@ class _StepRunner:
     def __call__(self, batch: Any, given: Any, per_token_ids: set[int]) -> Optional[tuple[float, list[Tensor]]]:
         """``per_token_ids``: the ids of ``given``'s tensors that hold one value per position (dimension 1)."""
         leaves: list[tuple[Tensor, bool]] = []
-        output = _mapped(given, lambda t: _leaf(t, leaves, id(t) in per_token_ids))
+        output = map_tensors(lambda t: _leaf(t, leaves, id(t) in per_token_ids))(given)
         network = getattr(self.parent, self.child)
         with _replaced(self.parent, self.child, _GivenOutput(network, output)), torch.enable_grad():
             out = getattr(self.module, self.mode)(batch, *self.extra, **self.kwargs)
@@ -242,26 +242,10 @@ def _leaf(t: Tensor, leaves: list[tuple[Tensor, bool]], of_positions: bool) -> T
     return leaf
 
 
-def _mapped(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """``value`` with ``fn`` applied to every tensor, its containers copied (a transformers ``ModelOutput`` keeps its
-    type; the original is left as it is)."""
-    if isinstance(value, Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        mapped = copy.copy(value)
-        for key in list(value.keys()):
-            mapped[key] = _mapped(value[key], fn)
-        return mapped
-    if isinstance(value, (list, tuple)):
-        items = [_mapped(v, fn) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
-
-
 def _detached(output: Any) -> Any:
     """The network's output as plain tensors without autograd history (a vocabulary-parallel head's DTensor logits
     gathered: the probe's few positions, whole on every tensor-parallel rank)."""
-    return _mapped(output, lambda t: (full_tensor(t) if isinstance(t, DTensor) else t).detach())
+    return map_tensors(lambda t: (full_tensor(t) if isinstance(t, DTensor) else t).detach())(output)
 
 
 def _positions(value: Any, chosen: Tensor, length: int) -> tuple[Any, set[int]]:
@@ -277,12 +261,12 @@ def _positions(value: Any, chosen: Tensor, length: int) -> tuple[Any, set[int]]:
         cut.add(id(selected))
         return selected
 
-    return _mapped(value, select), cut
+    return map_tensors(select)(value), cut
 
 
 def _tensors(value: Any) -> list[Tensor]:
     found: list[Tensor] = []
-    _mapped(value, lambda t: found.append(t) or t)
+    map_tensors(lambda t: found.append(t) or t)(value)
     return found
 
 
@@ -309,7 +293,7 @@ def _gathered(
             return total / shard.size
         return t
 
-    return _mapped(value, gather), gathered
+    return map_tensors(gather)(value), gathered
 
 
 def _left_out_per_position(grads: list[Tensor], length: int) -> Tensor:
