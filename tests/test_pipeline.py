@@ -642,3 +642,22 @@ def test_the_strategys_stops_pass_through_a_users_except_exception() -> None:
             return guarded(lambda: self.blocks[0](x))
 
     assert discover_block_plan(Root(), "blocks.0", torch.zeros(2, 4)).styles == {"0": "colwise", "2": "rowwise"}
+
+
+def test_the_action_timer_runs_the_step_callback_as_the_last_action_starts() -> None:
+    """The first stage's rank posts its receive of the step's results as its last action starts (gloo): the timer
+    counts the actions the schedule starts and calls back once, at the last; a step without a callback, or with
+    more actions than counted, calls nothing more."""
+    from lightning_hybrid.pipeline.step_data import ActionTimer
+
+    calls: list[int] = []
+    timer = ActionTimer(rank=0)
+    timer.begin((3, lambda: calls.append(len(timer.timeline.events))))
+    for chunk in range(5):
+        timer.starting()
+        timer.record("F", 0, chunk, timer.start)
+    assert calls == [2]  # before the third action recorded, and once
+    timer.begin()
+    for _ in range(3):
+        timer.starting()
+    assert calls == [2]

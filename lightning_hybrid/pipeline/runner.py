@@ -110,6 +110,16 @@ class PipelineRunner:
         """The parameters one device's forward differentiates on those inputs (None: not known)."""
         self._sending: Optional[tuple[Any, Tensor]] = None
         """The last stage's broadcast of the previous step's results, still in flight (work, buffer)."""
+        self._receiving: Optional[tuple[Any, Tensor]] = None
+        """This step's results broadcast, received early on the first stage's rank (see ``_receive_early``)."""
+        # gloo runs an asynchronous collective on its own thread, apart from the point-to-point transfers, so the
+        # first stage's rank can post its receive of the step's results before its last action (NCCL orders a
+        # communicator's operations as issued: there the receive is posted after the schedule, as the peers' are)
+        self._receive_early = (
+            0 in self.stages
+            and self.last_stage not in self.stages
+            and (dist.get_backend(pp_mesh.get_group()) == "gloo")
+        )
         last_rank = split.plan.owner[self.last_stage]
         self._last_global_rank = dist.get_global_rank(pp_mesh.get_group(), last_rank)
 
@@ -135,6 +145,7 @@ class PipelineRunner:
             step.records, step.loss_scale = [[] for _ in range(m)], loss_scale
             schedule = self._schedule(training, m, step.captured[0])
             previous = self._take_gradients() if training else []
+            checks_done = not self._checks_pending
             if training and self._checks_pending:
                 # the first training step checks the cut before any optimizer step; verify_pipeline does it in a step
                 # of its own, otherwise this step carries the checks
@@ -143,7 +154,7 @@ class PipelineRunner:
                 if self.verifier is not None:
                     self._verify(step, schedule)
                     step.checks = None
-            self._timer.begin()
+            self._timer.begin(self._early_receive(m) if training and checks_done else None)
             last = self.last_stage in self.stages
             if last:
                 self._metrics.begin()
@@ -440,6 +451,22 @@ class PipelineRunner:
             p.grad = None
         return taken
 
+    def _early_receive(self, m: int) -> Optional[tuple[int, Callable[[], None]]]:
+        """On the first stage's rank (gloo): post the receive of the step's results as this rank's last action of
+        the step starts, so the broadcast's latency passes behind that action rather than after the schedule. The
+        count is this rank's actions in a training step: a forward and a backward per micro-batch and stage (and a
+        weight backward under zero-bubble schedules)."""
+        if not self._receive_early or self._schema is None:
+            return None
+        actions = m * len(self.stages) * (3 if self._split_backward else 2)
+        buffer = torch.empty(2 + len(self._schema), dtype=torch.float64, device=self.device)
+
+        def post() -> None:
+            work = dist.broadcast(buffer, src=self._last_global_rank, group=self.pp_mesh.get_group(), async_op=True)
+            self._receiving = (work, buffer)
+
+        return actions, post
+
     def _share_results(self, step: StepContext, training: bool) -> StepResults:
         """The step's loss or outputs and its logged values (merged over micro-batches), from the last stage to
         every rank of the pipeline group in one broadcast."""
@@ -464,6 +491,10 @@ class PipelineRunner:
                 # start both ranks' optimizer steps and Lightning's loop in lockstep instead of overlapped (10% of
                 # the host-overhead benchmark's step); the next step waits for it (finish_sending)
                 self._sending = (dist.broadcast(packed, src=self._last_global_rank, group=group, async_op=True), packed)
+            elif self._receiving is not None:
+                work, packed = self._receiving
+                self._receiving = None
+                work.wait()
             else:
                 packed = torch.empty(2 + k, dtype=torch.float64, device=self.device)
                 dist.broadcast(packed, src=self._last_global_rank, group=group)

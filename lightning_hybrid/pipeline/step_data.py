@@ -111,10 +111,23 @@ class ActionTimer:
         self.rank = rank
         self.timeline = StepTimeline(rank=rank)
         self.start = 0.0
+        self._left = 0
+        self._before_last: Optional[Callable[[], None]] = None
 
-    def begin(self) -> None:
+    def begin(self, before_last: Optional[tuple[int, Callable[[], None]]] = None) -> None:
+        """Start a step's timeline; ``before_last`` = (actions in the step, callback): the callback runs as the
+        step's last action starts (:meth:`starting`)."""
         self.timeline = StepTimeline(rank=self.rank)
+        self._left, self._before_last = before_last if before_last is not None else (0, None)
         self.start = time.perf_counter()
+
+    def starting(self) -> None:
+        """An action is about to start (``TimedStage`` calls it)."""
+        if self._before_last is not None:
+            self._left -= 1
+            if self._left <= 0:
+                callback, self._before_last = self._before_last, None
+                callback()
 
     def end(self) -> None:
         self.timeline.step_time = time.perf_counter() - self.start
@@ -143,6 +156,7 @@ class TimedStage(PipelineStage):
         return self._timed("W", bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
 
     def _timed(self, kind: str, chunk: int, action: Callable, args: tuple, kwargs: dict) -> Any:
+        self.timer.starting()
         begin = time.perf_counter()
         try:
             return action(chunk, *args, **kwargs)
