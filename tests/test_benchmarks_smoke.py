@@ -168,3 +168,31 @@ def test_offload_benchmark_smoke(tmp_path: Path) -> None:
     assert all(r["median_ms"] > 0 for r in results["optimizer"]["rows"])
     page = (tmp_path / "benchmarks.md").read_text()
     assert "## Optimizer offload" in page and "DeepSpeedCPUAdam" in page
+
+
+def test_pooling_runs_takes_the_median_of_every_paired_round_with_a_bootstrap_interval(tmp_path: Path, capsys) -> None:
+    """``benchmarks.pooled`` (how docs/benchmarks.md compares two trees over many runs): the median of all paired
+    rounds' ratios over the runs having the row, each round's ratio a ratio of medians as in a run's own figure, a
+    seeded bootstrap interval around it, and each run's own ratio listed."""
+    from benchmarks.pooled import main, pool_rows
+
+    def run(ratios: list[float], cpu: float) -> dict:
+        rounds = [{"a": {"wall": [r, r, 9.0 * r] if i == 0 else [r], "cpu": [cpu]}, "b": {"wall": [1.0], "cpu": [1.0]}}
+                  for i, r in enumerate(ratios)]  # fmt: skip
+        ratio = sorted(ratios)[len(ratios) // 2]
+        return {"records": {"row": {"rounds": rounds}}, "summaries": {"row": {"ratio": ratio}}}
+
+    runs = [run([1.0, 1.2, 1.1], 1.1), run([0.9, 1.05], 0.95), {"records": {"other": {"rounds": []}}, "summaries": {}}]
+    pooled = pool_rows(runs)["row"]
+    assert pooled.median == pytest.approx(1.05) and pooled.rounds == 5  # the median of 1.0 1.2 1.1 0.9 1.05
+    assert 0.9 <= pooled.low <= pooled.median <= pooled.high <= 1.2 and pooled.low < pooled.high
+    assert pooled.cpu_median == pytest.approx(1.1) and pooled.runs == [1.1, 1.05]
+    assert pool_rows(runs)["row"] == pooled  # seeded: the same interval every time
+
+    for i, result in enumerate(runs[:2]):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "side_by_side.json").write_text(json.dumps(result))
+    main(["--label", "before", str(tmp_path / "0"), "--label", "now", str(tmp_path / "0"), str(tmp_path / "1")])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("| row | before: 1 | 3 | 1.100x") for line in lines), lines
+    assert any(line.startswith("| row | now: 2 | 5 | 1.050x") for line in lines), lines
