@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -788,6 +789,44 @@ def test_peak_flops_of_an_h200_that_lightnings_table_does_not_match(monkeypatch:
     assert device_peak_flops(cuda, torch.float32) == 494.7e12  # TF32
     monkeypatch.setattr(throughput, "get_available_flops", lambda device, dtype: 1.0e15)
     assert device_peak_flops(cuda, torch.bfloat16) == 1.0e15
+
+
+def test_step_flops_of_a_module_updating_torchmetrics_in_its_step_are_measured() -> None:
+    """A module that updates and logs torchmetrics objects in ``training_step`` (found by an outside trial: its meta
+    copy's metric states stayed on the CPU and the measurement fell back to 6N): the copy's metrics are stand-ins,
+    and the count equals ``measure_flops`` of the step on one device; the module's own metrics are untouched."""
+    import lightning as L
+    import torchmetrics
+    from lightning.fabric.utilities.throughput import measure_flops
+    from torch import nn
+
+    from lightning_hybrid.monitoring.flops import measure_training_flops, unsplit_meta_copy
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+            self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+            self.scores = torchmetrics.MetricCollection({"mean": torchmetrics.MeanMetric()})
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            logits = self.net(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            self.accuracy(logits, y)
+            self.scores.update(loss.detach())
+            self.log("acc", self.accuracy)
+            return loss
+
+    batch = (torch.randn(4, 6), torch.tensor([0, 1, 2, 1]))
+    module = Classifier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        measured = measure_training_flops(unsplit_meta_copy(module), batch)
+    assert isinstance(module.accuracy, torchmetrics.Metric) and int(module.accuracy.tp.sum()) == 0
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    expected = measure_flops(module, lambda: module.training_step(batch, 0), loss_fn=lambda loss: loss)
+    assert measured == expected > 0
 
 
 def test_step_flops_measured_on_a_meta_copy_taken_before_configure_model_builds_the_layers() -> None:

@@ -124,11 +124,12 @@ def unsplit_meta_copy(module: nn.Module) -> Optional[nn.Module]:
     the meta device (no memory), sharing its trainer and mesh; its ``log``/``log_dict`` do nothing. None where it
     cannot be copied. Take it before ``HybridStrategy.setup`` (a callback's ``setup`` hook): the rank never holds
     the whole model after that, and may never have (deferred construction: the copy's ``configure_model`` builds its
-    layers on meta tensors when it is measured)."""
+    layers on meta tensors when it is measured). Its torchmetrics objects are stand-ins that do nothing."""
     trainer = module_trainer(module)
     copy = meta_copy(module, keep=(trainer, module_device_mesh(module), getattr(trainer, "datamodule", None)))
     if copy is not None:
         copy.log = copy.log_dict = _ignore  # its step's values are not the fit's
+        _stand_in_for_metrics(copy)
     return copy
 
 
@@ -136,13 +137,43 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class _MetricStandIn(nn.Module):
+    """Takes a torchmetrics object's place in the meta copy: its states are plain tensors on the fit's device, which
+    an update with meta tensors refuses, and a metric does no matrix product the count would include."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros((), device="meta")
+
+    update = _ignore
+    reset = _ignore
+
+    def compute(self) -> torch.Tensor:
+        return torch.zeros((), device="meta")
+
+
+def _stand_in_for_metrics(copy: nn.Module) -> None:
+    try:
+        from torchmetrics import Metric, MetricCollection
+    except ImportError:  # torchmetrics is optional for users who log plain tensors
+        return
+    replaced: list[str] = []
+    for name, found in list(copy.named_modules()):
+        if not name or not isinstance(found, (Metric, MetricCollection)):
+            continue
+        if any(name.startswith(outer + ".") for outer in replaced):  # inside a collection or wrapper replaced
+            continue
+        parent_name, _, attribute = name.rpartition(".")
+        setattr(copy.get_submodule(parent_name) if parent_name else copy, attribute, _MetricStandIn())
+        replaced.append(name)
+
+
 def measure_training_flops(unsplit: Any, batch: Any) -> Optional[int]:
     """FLOPs of one training step of ``unsplit`` (from :func:`unsplit_meta_copy`) on ``batch``: its
     ``training_step`` on meta tensors of the batch's shapes and the backward of the loss it returns, counted by
     Lightning's :func:`~lightning.fabric.utilities.throughput.measure_flops` (torch's ``FlopCounterMode``: matrix
     multiplications, convolutions, attention). The same count on every rank, whatever the layout, with no
-    collective and no memory. None (with a warning) where the step cannot run on meta tensors (it reads values:
-    ``.item()``, a metric updated with them) or returns no loss.
+    collective and no memory; the copy's torchmetrics objects do nothing (:func:`unsplit_meta_copy`). None (with a
+    warning) where the step cannot run on meta tensors (it reads values: ``.item()``) or returns no loss.
 
     Example:
         >>> import lightning as L
