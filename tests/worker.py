@@ -45,6 +45,10 @@ def run(scenario: dict, out_dir: Path) -> None:
     kwargs = {**trainer_kwargs(scenario["steps"]), **scenario.get("trainer", {})}
     if scenario.get("callbacks") or scenario.get("resume_after"):
         kwargs["enable_checkpointing"] = True
+    # Lightning's default ModelCheckpoint writes under default_root_dir (the working directory unless given): the
+    # scenario's own, or concurrent launches pick the same `epoch=0-step=2-v1.ckpt` and one removes the other's
+    # partial directory while it writes
+    kwargs.setdefault("default_root_dir", str(out_dir / scenario["name"] / "root"))
     if scenario.get("logger") == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
