@@ -47,8 +47,8 @@ def run(scenario: dict, out_dir: Path) -> None:
         kwargs["enable_checkpointing"] = True
     # Lightning's default ModelCheckpoint writes under default_root_dir (the working directory unless given): the
     # scenario's own, or concurrent launches pick the same `epoch=0-step=2-v1.ckpt` and one removes the other's
-    # partial directory while it writes
-    kwargs.setdefault("default_root_dir", str(out_dir / scenario["name"] / "root"))
+    # partial directory while it writes. Beside the scenario's directory, whose listing some tests check
+    kwargs.setdefault("default_root_dir", str(out_dir / "default_roots" / scenario["name"]))
     if scenario.get("logger") == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
