@@ -14,6 +14,7 @@ belongs to; a field of several words is already specific and is the flat name as
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Optional, Union
 
@@ -164,8 +165,9 @@ class TensorParallelOptions:
     """
 
     plan: Union[str, dict[str, Any]] = "auto"
-    """``"auto"`` (find the plan) or ``{module-name pattern: "colwise" | "rowwise" | ParallelStyle}``
-    (``tensor_parallel_plan``)."""
+    """``"auto"`` (find the plan; Hugging Face models use the plan they declare) or a dict ``{module-name pattern:
+    "colwise" | "rowwise" | ParallelStyle}`` (docs/tensor-parallel.md). If ``configure_model`` already parallelized the
+    model with ``self.device_mesh["tensor"]``, the plan is not applied."""
     vocab_parallel_loss: bool = True
     """Keep the logits sharded over the vocabulary so cross-entropy never gathers them."""
     verify_tensor_parallel: Union[bool, Literal["auto"]] = "auto"
@@ -193,15 +195,19 @@ class PipelineOptions:
     """
 
     num_microbatches: Optional[int] = None
-    """Micro-batches per optimizer step (``None``: the pipeline size, filled in by :meth:`LayoutRequest.resolve`)."""
+    """Micro-batches per optimizer step under pipeline parallel (``None``: the pipeline size, filled in by
+    :meth:`LayoutRequest.resolve`); must divide the DataLoader's batch size."""
     schedule: str = "1f1b"
-    """One of :data:`PIPELINE_SCHEDULES` (``pipeline_schedule``)."""
+    """``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"`` or ``"zbv_zero_bubble"``
+    (:data:`PIPELINE_SCHEDULES`: torch's ``pipelining`` schedules)."""
     virtual_pipeline_size: int = 1
-    """Stages per rank for the interleaved and zero-bubble schedules."""
+    """Stages per rank: >= 2 for the interleaved schedules, 2 for ``"zbv_zero_bubble"``, 1 for the others."""
     partition: Union[str, list[int]] = "uniform"
-    """One of :data:`PIPELINE_PARTITIONS` or block counts per stage (``pipeline_partition``)."""
+    """Blocks per stage: ``"uniform"``, ``"parameters"``, ``"profile"`` (measured time on rank 0; these are
+    :data:`PIPELINE_PARTITIONS`), or a list of block counts, one per stage."""
     network: Optional[str] = None
-    """The module ``training_step`` calls, if not the block list's owner (``pipeline_network``)."""
+    """Name of the module ``training_step`` calls (whose ``forward`` the stages run), if not the one that owns the
+    block list."""
     verify_pipeline: Union[bool, Literal["auto"]] = "auto"
     """On the first batch, compare the pipelined loss and gradient norm of one micro-batch with an unsplit forward of
     a copy of the network on one rank, and refuse the run on a mismatch. ``"auto"``: on for fp32 models of at most
@@ -366,11 +372,17 @@ def flat_argument(section: str, name: str) -> str:
     return name if "_" in name else f"{section}_{name}"
 
 
-def build_section(section: str, flat: dict[str, Any], given: Any) -> Any:
-    """The section ``section`` (a key of :data:`SECTIONS`) from the flat arguments (``flat``, by name) and the section
-    object ``given`` (or None), validated once, by the section's own checks. An option counts as given where its value
-    differs from its default: given in the section, the section's value is used; given both ways with different
-    values, it is a :class:`HybridConfigError` naming both."""
+def build_section(section: str, flat: Mapping[str, Any], given: Any) -> Any:
+    """The section ``section`` (a key of :data:`SECTIONS`) from the flat arguments (``flat``, by name; one not there
+    is at its default) and the section object ``given`` (or None), validated once, by the section's own checks. An
+    option counts as given where its value differs from its default: given in the section, the section's value is
+    used; given both ways with different values, it is a :class:`HybridConfigError` naming both.
+
+    Example:
+        >>> zero = build_section("zero", {"bucket_cap_mb": 50}, ZeroOptions(offload_optimizer=True))
+        >>> zero.bucket_cap_mb, zero.offload_optimizer
+        (50.0, True)
+    """
     options = SECTIONS[section]
     if given is not None and not isinstance(given, options):
         raise HybridConfigError(
@@ -380,7 +392,7 @@ def build_section(section: str, flat: dict[str, Any], given: Any) -> Any:
     values = {}
     for option in fields(options):
         name = flat_argument(section, option.name)
-        value = flat[name]
+        value = flat.get(name, option.default)
         if given is not None and getattr(given, option.name) != option.default:
             in_section = getattr(given, option.name)
             if value != option.default and value != in_section:

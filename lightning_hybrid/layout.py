@@ -1,30 +1,29 @@
-"""The parallel layout as plain data and the strategy's whole set of options, checked.
+"""The parallel layout as plain data: as asked for and as resolved against the world size, checked.
 
-:class:`LayoutRequest` is the layout as asked for (sizes and the typed sections of ``lightning_hybrid.config``),
-:class:`ParallelLayout` the layout once the world size is known, :class:`StrategyOptions` everything
-``HybridStrategy``'s constructor was given. Pure Python, like ``config``: every rank runs the same checks on the same
-numbers and raises the same :class:`~lightning_hybrid.HybridConfigError` before any collective exists.
+:class:`LayoutRequest` is the layout as asked for, the one definition of the sizes and their defaults (and the
+branch of ``HybridStrategy``'s option tree that holds the tensor-parallel, pipeline and ZeRO sections,
+``lightning_hybrid/options.py``); :class:`ParallelLayout` is the layout once the world size is known. Pure Python,
+like ``config``: every rank runs the same checks on the same numbers and raises the same
+:class:`~lightning_hybrid.HybridConfigError` before any collective exists.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Optional, Union
 
 from lightning_hybrid.config import (
     SECTIONS,
-    CheckpointOptions,
     HybridConfigError,
     PipelineOptions,
     TensorParallelOptions,
     ZeroOptions,
-    build_section,
     check_positive_int,
     check_sizes,
-    checkpoint_mode,
+    flat_argument,
 )
 
-__all__ = ["LayoutRequest", "ParallelLayout", "StrategyOptions", "check_auto_layout", "check_compile"]
+__all__ = ["LayoutRequest", "ParallelLayout", "check_auto_layout", "check_compile"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,15 +37,32 @@ class LayoutRequest:
     """
 
     tensor_parallel_size: int = 1
+    """Ranks that split each layer's weights (DTensor): the innermost mesh dimension, consecutive ranks, so keep it
+    within a node."""
     pipeline_parallel_size: int = 1
+    """Ranks that split the stack of blocks into stages (the outermost mesh dimension)."""
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
+    """Model replicas that see different data; ZeRO shards over them. ``"auto"``: the world size // (tensor x pipeline
+    x context parallel sizes)."""
     zero_stage: int = 1
+    """0 replicates the model; 1 shards optimizer state; 2 also gradients; 3 also parameters (FSDP2), over the
+    data-parallel ranks."""
     sequence_parallel: bool = False
+    """Shard norm/dropout activations along the sequence between tensor-parallel regions (Megatron-SP); needs tensor
+    parallel."""
     expert_parallel_size: int = 1
+    """Ranks of the data-parallel dimension that split each mixture-of-experts layer's experts (consecutive
+    data-parallel ranks); the dense weights stay data parallel over all of them (docs/expert-parallel.md)."""
     context_parallel_size: int = 1
+    """Ranks that split each sample's sequence, attention exact (docs/context-parallel.md). They hold the same weights
+    as the replicas do: the mesh's ``data`` dimension spans both (``ParallelLayout.data_dimension_size``), and
+    gradients are averaged and ZeRO-sharded over all of it, as Megatron's data-and-context-parallel group."""
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
+    """How layers are split over the tensor-parallel ranks."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    """How the blocks are cut into stages and scheduled (used when ``pipeline_parallel_size`` > 1)."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)
+    """How gradients and optimizer state are reduced and sharded over the data-parallel ranks."""
 
     def __post_init__(self) -> None:
         check_sizes(
@@ -104,7 +120,9 @@ class LayoutRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """How the world of processes is split: tensor x pipeline x data parallel, and the ZeRO stage over data.
+    """How the world of processes is split: tensor x pipeline x data parallel, and the ZeRO stage over data. The
+    fields of :class:`LayoutRequest` (documented there, with their defaults), resolved against the world size: the
+    data-parallel size and the micro-batch count filled in. Made by :meth:`LayoutRequest.resolve`.
 
     Example:
         >>> layout = ParallelLayout.resolve(world_size=8, tensor_parallel_size=2, pipeline_parallel_size=2)
@@ -114,29 +132,18 @@ class ParallelLayout:
 
     world_size: int
     """Number of processes in the job."""
-    tensor_parallel_size: int = 1
-    """Ranks that split each layer's weights (innermost mesh dimension: consecutive ranks)."""
-    pipeline_parallel_size: int = 1
-    """Ranks that split the stack of layers into stages (outermost mesh dimension)."""
-    data_parallel_size: int = 1
-    """Model replicas that see different data; ZeRO shards over this dimension."""
-    zero_stage: int = 1
-    """0: replicate; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
-    sequence_parallel: bool = False
-    """Shard norm/dropout activations along the sequence between tensor-parallel regions (Megatron-SP)."""
-    expert_parallel_size: int = 1
-    """Ranks of the data-parallel dimension that split each MoE layer's experts (consecutive data-parallel
-    ranks); the dense weights stay data parallel over all of them."""
-    context_parallel_size: int = 1
-    """Ranks that split each sample's sequence (docs/context-parallel.md). They hold the same weights as the
-    replicas do: the mesh's ``data`` dimension spans both (``data_dimension_size``), and gradients are averaged and
-    ZeRO-sharded over all of it, as Megatron's data-and-context-parallel group."""
-    tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
-    """How layers are split over the tensor dimension."""
-    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
-    """How the blocks are cut into stages and scheduled (used when ``pipeline_parallel_size`` > 1)."""
-    zero: ZeroOptions = field(default_factory=ZeroOptions)
-    """How gradients and optimizer state are reduced and sharded over the data dimension."""
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    """Model replicas (``"auto"`` resolved)."""
+    zero_stage: int
+    sequence_parallel: bool
+    expert_parallel_size: int
+    context_parallel_size: int
+    tensor_parallel: TensorParallelOptions
+    pipeline: PipelineOptions
+    """``num_microbatches`` filled in: the pipeline size unless given."""
+    zero: ZeroOptions
 
     @classmethod
     def resolve(cls, *, world_size: int, **request: Any) -> ParallelLayout:
@@ -157,16 +164,11 @@ class ParallelLayout:
         return rank // (tp * dp), (rank // tp) % dp, rank % tp
 
     def recorded_options(self) -> dict[str, Any]:
-        """The pipeline settings recorded with the run, flat (none without pipeline parallel)."""
+        """The pipeline settings recorded with the run, by their flat names (none without pipeline parallel)."""
         if self.pipeline_parallel_size == 1:
             return {}
-        p = self.pipeline
-        return {
-            "num_microbatches": p.num_microbatches,
-            "pipeline_schedule": p.schedule,
-            "virtual_pipeline_size": p.virtual_pipeline_size,
-            "pipeline_partition": p.partition,
-        }
+        recorded = ("num_microbatches", "schedule", "virtual_pipeline_size", "partition")
+        return {flat_argument("pipeline", name): getattr(self.pipeline, name) for name in recorded}
 
     def as_dict(self) -> dict[str, Any]:
         """The layout as plain types (for loggers, checkpoints and the start-up table)."""
@@ -245,145 +247,32 @@ def check_compile(value: Any, request: LayoutRequest) -> None:
         )
 
 
-_DEFAULT_SIZES = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": "auto", "zero_stage": 1,
-                  "expert_parallel_size": 1, "context_parallel_size": 1}  # fmt: skip
+# what ``layout="auto"`` chooses: every size of the request (the planner keeps its ``sequence_parallel``, as it keeps
+# the schedule: planning/auto.py, ``auto_request``), and the micro-batch count
+_PLANNED_SIZES = tuple(
+    f.name for f in fields(LayoutRequest) if f.name not in SECTIONS and f.name != "sequence_parallel"
+)
 
 
-def check_auto_layout(layout: Optional[str], sizes: dict[str, Any], num_microbatches: Optional[int]) -> None:
-    """``layout`` is None or ``"auto"``; ``"auto"`` takes no explicit size (the planner chooses them all).
+def check_auto_layout(layout: Optional[str], request: LayoutRequest) -> None:
+    """``layout`` is None or ``"auto"``; ``"auto"`` takes no explicit size (the planner chooses them all): no size of
+    ``request`` and no micro-batch count away from its default.
 
     Example:
-        >>> check_auto_layout("auto", {"tensor_parallel_size": 1}, None)
+        >>> check_auto_layout("auto", LayoutRequest())
     """
     if layout is None:
         return
     if layout != "auto":
         raise HybridConfigError(f"`layout={layout!r}` must be 'auto' (let the planner choose) or None.")
-    given = {k: v for k, v in sizes.items() if k in _DEFAULT_SIZES and v != _DEFAULT_SIZES[k]}
-    if num_microbatches is not None:
-        given["num_microbatches"] = num_microbatches
+    default = LayoutRequest()
+    given = {k: getattr(request, k) for k in _PLANNED_SIZES if getattr(request, k) != getattr(default, k)}
+    if request.pipeline.num_microbatches is not None:
+        given["num_microbatches"] = request.pipeline.num_microbatches
     if given:
-        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
         raise HybridConfigError(
-            f"`layout='auto'` chooses the layout itself, but explicit sizes were given ({args}). Drop them, or drop"
-            " `layout='auto'` to use them. To fix one dimension and plan the rest, run `lightning-hybrid plan` with"
-            " e.g. `--tensor-parallel-size` and pass its answer."
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class StrategyOptions:
-    """What :class:`~lightning_hybrid.HybridStrategy` was asked for, checked: the layout request, the checkpoint
-    options and the strategy's own settings. :meth:`from_arguments` builds it from the constructor's flat arguments.
-
-    Example:
-        >>> StrategyOptions.from_arguments(tensor_parallel_size=2).request.tensor_parallel_size
-        2
-    """
-
-    request: LayoutRequest = field(default_factory=LayoutRequest)
-    """The layout as asked for (``layout="auto"`` replaces its sizes once the world size is known)."""
-    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
-    activation_checkpointing: Optional[str] = None
-    """None, ``"full"`` (recompute each block in backward) or ``"selective"`` (recompute its pointwise ops)."""
-    activation_checkpointing_every: int = 1
-    """Checkpoint every N-th block only."""
-    transformer_blocks: Optional[str] = None
-    """Name of the repeated block list when it cannot be found automatically."""
-    compile: bool = False
-    """``torch.compile`` each transformer block in place, once per block type (``lightning_hybrid/compile.py``)."""
-    process_group_backend: Optional[str] = None
-    """The backend asked for; None: ``"nccl"`` on CUDA, ``"gloo"`` on CPU."""
-    health_checks: Any = True
-    """Add :class:`~lightning_hybrid.HealthChecks` to the callbacks (True, False, or an instance)."""
-    monitor: Any = True
-    """Add :class:`~lightning_hybrid.HybridMonitor` (True, False, or an instance; checked by
-    ``monitoring.health.check_monitor``, next to the class this module cannot import)."""
-    auto_layout: bool = False
-    """``layout="auto"``: the planner chooses the sizes for the world size and device memory."""
-    device_memory: Optional[float] = None
-    """GB per device for ``layout="auto"`` on CPU."""
-
-    @classmethod
-    def from_arguments(
-        cls,
-        *,
-        tensor_parallel_size: Any = 1,
-        pipeline_parallel_size: Any = 1,
-        data_parallel_size: Any = "auto",
-        zero_stage: Any = 1,
-        tensor_parallel_plan: Any = "auto",
-        sequence_parallel: bool = False,
-        expert_parallel_size: Any = 1,
-        context_parallel_size: Any = 1,
-        activation_checkpointing: Any = False,
-        vocab_parallel_loss: bool = True,
-        transformer_blocks: Optional[str] = None,
-        compile: bool = False,
-        num_microbatches: Optional[int] = None,
-        pipeline_schedule: str = "1f1b",
-        virtual_pipeline_size: int = 1,
-        pipeline_partition: Any = "uniform",
-        pipeline_network: Optional[str] = None,
-        verify_pipeline: Any = "auto",
-        verify_tensor_parallel: Any = "auto",
-        zero3_gradient_sync: str = "per_step",
-        overlap_grad_reduce: bool = True,
-        bucket_cap_mb: float = 25.0,
-        offload_optimizer: bool = False,
-        process_group_backend: Optional[str] = None,
-        async_checkpoint: bool = False,
-        checkpoint_verify: bool = True,
-        pretrained_weights: Optional[str] = None,
-        health_checks: Any = True,
-        monitor: Any = True,
-        layout: Optional[str] = None,
-        device_memory: Optional[float] = None,
-        activation_checkpointing_every: int = 1,
-        tensor_parallel: Optional[TensorParallelOptions] = None,
-        pipeline: Optional[PipelineOptions] = None,
-        zero: Optional[ZeroOptions] = None,
-        checkpoint: Optional[CheckpointOptions] = None,
-    ) -> StrategyOptions:
-        """Check ``HybridStrategy``'s arguments (documented there, same names and defaults) into their typed
-        sections: each section is built from its flat arguments and the section object given, if any
-        (:func:`flat_argument` names them), and validated once. Everything that needs no world size is checked here:
-        every rank runs the constructor, so all raise the same :class:`HybridConfigError` alike, before any collective
-        exists.
-
-        Example:
-            >>> options = StrategyOptions.from_arguments(bucket_cap_mb=50, zero=ZeroOptions(offload_optimizer=True))
-            >>> options.request.zero.bucket_cap_mb, options.request.zero.offload_optimizer
-            (50.0, True)
-        """
-        arguments = locals()
-        sections = {name: build_section(name, arguments, arguments[name]) for name in SECTIONS}
-        request = LayoutRequest(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size,
-            zero_stage=zero_stage,
-            sequence_parallel=sequence_parallel,
-            expert_parallel_size=expert_parallel_size,
-            context_parallel_size=context_parallel_size,
-            tensor_parallel=sections["tensor_parallel"],
-            pipeline=sections["pipeline"],
-            zero=sections["zero"],
-        )
-        check_auto_layout(layout, vars(request), request.pipeline.num_microbatches)
-        check_compile(compile, request)
-        return cls(
-            request=request,
-            checkpoint=sections["checkpoint"],
-            activation_checkpointing=checkpoint_mode(activation_checkpointing),
-            activation_checkpointing_every=check_positive_int(
-                "activation_checkpointing_every", activation_checkpointing_every
-            ),
-            transformer_blocks=transformer_blocks,
-            compile=compile,
-            process_group_backend=process_group_backend,
-            health_checks=health_checks,
-            monitor=monitor,
-            auto_layout=layout == "auto",
-            device_memory=device_memory,
+            "`layout='auto'` chooses the layout itself, but explicit sizes were given"
+            f" ({', '.join(f'{k}={v!r}' for k, v in given.items())}). Drop them, or drop `layout='auto'` to use them."
+            " To fix one dimension and plan the rest, run `lightning-hybrid plan` with e.g. `--tensor-parallel-size`"
+            " and pass its answer."
         )

@@ -56,23 +56,21 @@ __all__ = ["ModelOptions", "Parallelized", "parallelize"]
 
 @dataclass(frozen=True, kw_only=True)
 class ModelOptions:
-    """What :func:`parallelize` needs besides the layout: the strategy's model arguments and Lightning's settings.
+    """What :func:`parallelize` needs besides the layout: the strategy's model options (defined, with their defaults,
+    in ``lightning_hybrid.options.StrategyOptions``) and Lightning's settings.
 
     Example:
-        >>> ModelOptions(activation_checkpointing="full", device=torch.device("cpu")).transformer_blocks is None
-        True
+        >>> options = ModelOptions(device=torch.device("cpu"), activation_checkpointing="full",
+        ...                        activation_checkpointing_every=1, transformer_blocks=None, compile=False)
     """
 
     device: torch.device
     """This rank's device."""
-    activation_checkpointing: Optional[str] = None
-    """None, ``"full"`` or ``"selective"`` (``activation_checkpointing.py``)."""
-    activation_checkpointing_every: int = 1
-    """Checkpoint every N-th block only."""
-    transformer_blocks: Optional[str] = None
-    """Name of the repeated block list when it cannot be found automatically."""
-    compile: bool = False
-    """``torch.compile`` each block this rank holds (``compile.py``)."""
+    activation_checkpointing: Optional[str]
+    """None, ``"full"`` or ``"selective"``: the option's ``checkpoint_mode`` (``activation_checkpointing.py``)."""
+    activation_checkpointing_every: int
+    transformer_blocks: Optional[str]
+    compile: bool
     layer_sync: Any = None
     """``Trainer(sync_batchnorm=True)``'s plugin (SyncBatchNorm over the data-parallel group), or None."""
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
@@ -30,23 +29,22 @@ from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
 from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints
-from lightning_hybrid.config import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
+from lightning_hybrid.config import checkpoint_mode
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import sequence_part, skip_finished_batches
-from lightning_hybrid.layout import ParallelLayout, StrategyOptions
+from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.module_step import check_before_fit, loss_context, step_hook
 from lightning_hybrid.monitoring.callback import HybridMonitor
-from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
+from lightning_hybrid.monitoring.health import add_monitoring_defaults
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
 from lightning_hybrid.monitoring.summary import summarize_whole_model
 from lightning_hybrid.optimizer_step import OptimizerStep
+from lightning_hybrid.options import StrategyOptions, flat_constructor
 from lightning_hybrid.parallelize import ModelOptions, Parallelized, parallelize
 from lightning_hybrid.pipeline import PipelineRunner
-from lightning_hybrid.planning.auto import resolve_layout
 from lightning_hybrid.precision import HybridPrecision, check_supported
 from lightning_hybrid.sharding.gradient_step import GradientStep
 from lightning_hybrid.sharding.sharded_optimizer import ShardedOptimizer
-from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, resolve_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -54,81 +52,21 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridStrategy"]
 
-# the constructor's arguments that StrategyOptions.from_arguments checks (all but timeout and track_gradient_norm)
-_OPTION_ARGUMENTS = frozenset(inspect.signature(StrategyOptions.from_arguments).parameters)
+# what the constructor hands on to Lightning's ParallelStrategy (the Trainer sets them)
+_LIGHTNING_ARGUMENTS = tuple(inspect.signature(ParallelStrategy.__init__).parameters)[1:]
 
 
 class HybridStrategy(ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
     Each option is given flat (``pipeline_schedule="gpipe"``, as LightningCLI/YAML give them) or in its typed section
-    (``pipeline=PipelineOptions(schedule="gpipe")``; the four sections are the last arguments below, documented field
-    by field in ``lightning_hybrid.config``). A field of one word takes its section's name in front in the flat form
-    (``plan`` <-> ``tensor_parallel_plan``); a longer one is the flat name itself (``num_microbatches``). The sizes and
-    ``sequence_parallel`` are flat only. Both forms are checked once (``StrategyOptions.from_arguments``), raising
-    :class:`~lightning_hybrid.HybridConfigError` alike on every rank, also for an option given both ways differently
-    (a flat argument at its default counts as not given).
-
-    Arguments:
-        tensor_parallel_size: ranks that split each layer (DTensor). Consecutive ranks, so keep it within a node.
-        pipeline_parallel_size: ranks that split the stack of blocks into stages (slowest mesh dimension).
-        data_parallel_size: model replicas; ``"auto"`` is ``world_size // (tensor x pipeline)``.
-        zero_stage: 0 replicate, 1 shard optimizer state, 2 also gradients, 3 also parameters (FSDP2).
-        tensor_parallel_plan: ``"auto"`` (find the plan; Hugging Face models use the plan they declare), or a dict
-            ``{module-name pattern: "colwise" | "rowwise" | ParallelStyle}``. If ``configure_model`` already
-            parallelized the model with ``self.device_mesh["tensor"]``, the plan is not applied.
-        sequence_parallel: shard norm/dropout activations along the sequence (Megatron-SP); needs tensor parallel.
-        activation_checkpointing: ``True``/``"full"``: recompute each block in backward from its input; ``"selective"``:
-            keep matmul, attention and collective outputs, recompute the rest (``SelectivePolicy``).
-        activation_checkpointing_every: checkpoint every N-th block only (1: all of them).
-        vocab_parallel_loss: keep the logits sharded over the vocabulary so cross-entropy never gathers them.
-        transformer_blocks: name of the repeated block list when it cannot be found automatically.
-        num_microbatches: micro-batches per optimizer step under pipeline parallel (default: the pipeline size);
-            must divide the DataLoader's batch size.
-        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"`` or
-            ``"zbv_zero_bubble"`` (torch's ``pipelining`` schedules).
-        virtual_pipeline_size: stages per rank for the interleaved and zero-bubble schedules.
-        pipeline_partition: ``"uniform"``, ``"parameters"``, ``"profile"`` or block counts per stage.
-        pipeline_network: name of the module ``training_step`` calls, if not the one owning the block list.
-        verify_pipeline: compare the first batch's pipelined loss and gradient norm with an unsplit forward and
-            refuse a mismatch: ``"auto"`` (fp32 models of at most 100M parameters), True or False (docs/pipeline.md).
-        verify_tensor_parallel: the same comparison for tensor parallel without a pipeline: ``"auto"``, True or False
-            (not under context parallel, whose own probe of the loss always runs: docs/context-parallel.md).
-        zero3_gradient_sync: ZeRO-3 under pipeline parallel: reduce-scatter ``"per_step"`` or ``"per_microbatch"``.
-        overlap_grad_reduce: reduce gradients in buckets during backward (ZeRO-0/2 without pipeline parallel).
-        bucket_cap_mb: size of those buckets in MiB (DDP's ``bucket_cap_mb``).
-        track_gradient_norm: take the global gradient norm (before clipping) every step into
-            ``strategy.last_gradient_norm``; :class:`~lightning_hybrid.HybridMonitor` has it taken on its logging
-            steps.
-        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
-        timeout: how long a collective waits for a rank that does not come (``timedelta`` or seconds; default 10
-            minutes); a stuck rank then ends the job and every rank says which rank is stuck (docs/reliability.md).
-        async_checkpoint: write checkpoints in the background; the next save and the end of training wait for it.
-        checkpoint_verify: on load, check every file against its commit record's size and SHA-256.
-        pretrained_weights: start from these weights: a Hugging Face folder (``model.safetensors``, or shards with
-            ``model.safetensors.index.json``), ``lightning-hybrid consolidate`` output, or a ``.safetensors`` file.
-            Loaded once the model is split, each rank reading only its own slices; ``trainer.fit(ckpt_path=...)``
-            overwrites them (docs/checkpoint.md, "Starting from pretrained weights").
-        health_checks: add :class:`~lightning_hybrid.HealthChecks` to the callbacks (True, False, or an instance).
-        monitor: add :class:`~lightning_hybrid.HybridMonitor` when the Trainer has a logger (True, False, or an
-            instance, added even without a logger).
-        offload_optimizer: keep fp32 masters and Adam moments in host memory, stepped by DeepSpeedCPUAdam
-            (docs/offload.md).
-        layout: ``"auto"``: use the planner's best feasible layout for the world size and device memory.
-        device_memory: GB per device for ``layout="auto"`` on CPU (on CUDA the device's total memory is used).
-        compile: ``torch.compile`` each transformer block in place (regional compilation: one compiled graph per
-            block type, reused by every block), after tensor parallel and activation checkpointing, before ZeRO-3
-            (docs/compile.md).
-        expert_parallel_size: data-parallel ranks that split each MoE layer's experts (docs/expert-parallel.md).
-        context_parallel_size: ranks that split each sample's sequence, attention exact (docs/context-parallel.md).
-        tensor_parallel: the tensor-parallel options as one :class:`~lightning_hybrid.TensorParallelOptions`
-            (``plan``, ``vocab_parallel_loss``, ``verify_tensor_parallel``).
-        pipeline: the pipeline options as one :class:`~lightning_hybrid.PipelineOptions` (``num_microbatches``,
-            ``schedule``, ``virtual_pipeline_size``, ``partition``, ``network``, ``verify_pipeline``).
-        zero: the ZeRO options as one :class:`~lightning_hybrid.ZeroOptions` (``zero3_gradient_sync``,
-            ``overlap_grad_reduce``, ``bucket_cap_mb``, ``offload_optimizer``).
-        checkpoint: the checkpoint options as one :class:`~lightning_hybrid.CheckpointOptions`
-            (``async_checkpoint``, ``verify``, ``pretrained_weights``).
+    (``pipeline=PipelineOptions(schedule="gpipe")``); the constructor's arguments, their types, defaults and help are
+    read from the one definition of each option, a field of ``lightning_hybrid.options.StrategyOptions``' tree
+    (listed under ``HybridStrategy.__init__``, and in the README). A field of a section of one word takes the
+    section's name in front in the flat form (``plan`` <-> ``tensor_parallel_plan``); a longer one is the flat name
+    itself (``num_microbatches``). The sizes and the strategy's own settings are flat only. Both forms are checked
+    once (``StrategyOptions.from_flat``), raising :class:`~lightning_hybrid.HybridConfigError` alike on every rank,
+    also for an option given both ways differently (a flat argument at its default counts as not given).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -158,58 +96,17 @@ class HybridStrategy(ParallelStrategy):
 
     strategy_name = "hybrid"
 
-    def __init__(
-        self,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        data_parallel_size: Union[int, Literal["auto"]] = "auto",
-        zero_stage: int = 1,
-        tensor_parallel_plan: Union[str, dict[str, Any]] = "auto",
-        sequence_parallel: bool = False,
-        activation_checkpointing: Union[bool, Literal["full", "selective"]] = False,
-        vocab_parallel_loss: bool = True,
-        transformer_blocks: Optional[str] = None,
-        num_microbatches: Optional[int] = None,
-        pipeline_schedule: str = "1f1b",
-        virtual_pipeline_size: int = 1,
-        pipeline_partition: Union[str, list[int]] = "uniform",
-        pipeline_network: Optional[str] = None,
-        verify_pipeline: Union[bool, Literal["auto"]] = "auto",
-        verify_tensor_parallel: Union[bool, Literal["auto"]] = "auto",
-        zero3_gradient_sync: Literal["per_step", "per_microbatch"] = "per_step",
-        overlap_grad_reduce: bool = True,
-        bucket_cap_mb: float = 25.0,
-        track_gradient_norm: bool = False,
-        process_group_backend: Optional[str] = None,
-        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
-        async_checkpoint: bool = False,
-        checkpoint_verify: bool = True,
-        pretrained_weights: Optional[str] = None,
-        health_checks: Union[bool, Any] = True,
-        monitor: Union[bool, HybridMonitor] = True,
-        offload_optimizer: bool = False,
-        layout: Optional[Literal["auto"]] = None,
-        device_memory: Optional[float] = None,
-        compile: bool = False,
-        expert_parallel_size: int = 1,
-        activation_checkpointing_every: int = 1,
-        context_parallel_size: int = 1,
-        *,
-        tensor_parallel: Optional[TensorParallelOptions] = None,
-        pipeline: Optional[PipelineOptions] = None,
-        zero: Optional[ZeroOptions] = None,
-        checkpoint: Optional[CheckpointOptions] = None,
-        **kwargs: Any,
-    ) -> None:
-        # checked now (config.py): every rank runs the constructor, so all raise alike, before any collective exists
-        arguments = {name: value for name, value in locals().items() if name in _OPTION_ARGUMENTS}
-        super().__init__(**kwargs)
-        self._options = StrategyOptions.from_arguments(**arguments)
-        check_monitor(monitor)
+    @flat_constructor(ParallelStrategy.__init__)
+    def __init__(self, **arguments: Any) -> None:
+        """Every option by keyword, flat or in its section (the signature and this list are made from
+        ``lightning_hybrid.options``); besides, Lightning's ``ParallelStrategy`` arguments, which the Trainer sets."""
+        lightning = {name: arguments.pop(name) for name in _LIGHTNING_ARGUMENTS if name in arguments}
+        super().__init__(**lightning)
+        # checked now (options.py): every rank runs the constructor, so all raise alike, before any collective exists
+        self._options = StrategyOptions.from_flat(arguments)
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=self._options.checkpoint.async_checkpoint)
         self._checkpoints = StrategyCheckpoints(self, self._options.checkpoint, self._checkpoint_writer)
-        self._timeout = resolve_timeout(timeout)
-        self.track_gradient_norm = track_gradient_norm
+        self.track_gradient_norm = self._options.track_gradient_norm
         """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor has it taken on its
         logging steps anyway."""
         self._topology: Optional[topology.Topology] = None
@@ -293,10 +190,10 @@ class HybridStrategy(ParallelStrategy):
         assert module is not None
         # resolve the layout from the world size before the process group exists: a bad layout raises on every rank
         machine = {"world_size": self.world_size, "devices_per_node": self.num_processes, "device": self.root_device}
-        layout = resolve_layout(options, module, **machine, precision=self.precision_plugin)
+        layout = options.layout_for(module, **machine, precision=self.precision_plugin)
         check_before_fit(module, layout)
         self._topology = topology.start_topology(
-            layout, self.cluster_environment, self.root_device, self.process_group_backend, self._timeout
+            layout, self.cluster_environment, self.root_device, self.process_group_backend, options.timeout
         )
         compat.set_module_device_mesh(module, self._topology.mesh)
         add_monitoring_defaults(module.trainer, options.health_checks, options.monitor)
@@ -330,7 +227,7 @@ class HybridStrategy(ParallelStrategy):
         if self._parallelized_module is not module:
             options = ModelOptions(
                 device=self.root_device,
-                activation_checkpointing=self._options.activation_checkpointing,
+                activation_checkpointing=checkpoint_mode(self._options.activation_checkpointing),
                 activation_checkpointing_every=self._options.activation_checkpointing_every,
                 transformer_blocks=self._options.transformer_blocks,
                 compile=self._options.compile,

@@ -127,7 +127,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "lightning_hybrid.optimizer_step",
     )),
     ("strategy and CLI", (
-        "lightning_hybrid", "lightning_hybrid.strategy", "lightning_hybrid.cli", "lightning_hybrid.__main__",
+        "lightning_hybrid", "lightning_hybrid.options", "lightning_hybrid.strategy", "lightning_hybrid.cli",
+        "lightning_hybrid.__main__",
     )),
 ]  # fmt: skip
 MECHANISMS_IMPORT_NO_LIGHTNING = ("lightning", "pytorch_lightning", "lightning_hybrid._lightning_compat")

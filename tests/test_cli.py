@@ -235,3 +235,31 @@ def test_yaml_giving_an_option_both_ways_differently_is_refused(tmp_path: Path) 
     # jsonargparse reports the strategy's HybridConfigError (a ValueError) inside its own, with the text
     with pytest.raises(ValueError, match=r"`bucket_cap_mb=10\.0` and `zero=ZeroOptions\(bucket_cap_mb=50\.0\)` give"):
         _strategy_from_yaml(tmp_path, {**NESTED, "bucket_cap_mb": 10})
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_reads_each_strategy_option_from_its_one_definition() -> None:
+    """What jsonargparse (LightningCLI's parser) makes of ``HybridStrategy``'s signature, which is read from the option
+    tree (lightning_hybrid/options.py): every option under its flat name with the tree's default, its type checked,
+    its help the field's docstring; a ``HybridMonitor`` given by class path is made one."""
+    import inspect
+
+    from jsonargparse import ArgumentParser
+
+    from lightning_hybrid import HybridMonitor, HybridStrategy
+    from lightning_hybrid.options import flat_options
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(HybridStrategy, "strategy")
+    defaults = parser.get_defaults().strategy
+    assert list(defaults.keys()) == list(inspect.signature(HybridStrategy).parameters)
+    assert {o.name: defaults[o.name] for o in flat_options()} == {o.name: o.default for o in flat_options()}
+    with pytest.raises(Exception, match=r'"strategy.zero_stage".*\n.*Expected a <class .int.>'):
+        parser.parse_args(["--strategy.zero_stage=three"])
+    helped = " ".join(parser.format_help().split())
+    for option in flat_options():
+        assert f"--strategy.{option.name} " in helped and " ".join(option.doc.split()[:6]) in helped, option.name
+    monitor = {"class_path": "lightning_hybrid.HybridMonitor", "init_args": {"log_every_n_steps": 3}}
+    config = parser.parse_args([f"--strategy.monitor={json.dumps(monitor)}", "--strategy.num_microbatches=8"])
+    options = parser.instantiate(config).strategy._options
+    assert isinstance(options.monitor, HybridMonitor) and options.request.pipeline.num_microbatches == 8

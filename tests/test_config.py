@@ -8,10 +8,12 @@ Fast on purpose: no collectives, no launched processes, tiny modules.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import doctest
 import inspect
 import re
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +30,8 @@ from lightning_hybrid.config import (
     ZeroOptions,
     flat_argument,
 )
-from lightning_hybrid.layout import StrategyOptions
+from lightning_hybrid.layout import LayoutRequest
+from lightning_hybrid.options import StrategyOptions, field_docs, flat_options
 from lightning_hybrid.sharding import expected_model_state_bytes, measure_model_state_bytes
 from lightning_hybrid.structure import find_model_structure
 from lightning_hybrid.tensor_parallel import (
@@ -225,15 +228,99 @@ def test_strategy_constructor_accepts_a_good_configuration():
         strategy.layout  # noqa: B018 - the layout needs the world size, known only once processes exist
 
 
-def test_every_strategy_argument_is_checked_with_the_strategy_default():
-    """The constructor hands its arguments to ``StrategyOptions.from_arguments`` by name: every one arrives there (but
-    the strategy's own ``timeout`` and ``track_gradient_norm``), and the defaults of both signatures agree."""
-    strategy = inspect.signature(HybridStrategy.__init__).parameters
-    options = inspect.signature(StrategyOptions.from_arguments).parameters
-    assert set(strategy) - {"self", "kwargs", "timeout", "track_gradient_norm"} == set(options)
-    assert {name: strategy[name].default for name in options} == {name: p.default for name, p in options.items()}
+# ------------------------------------------------------------------------- one definition per option, the tree
+# the tree's option fields (sections apart), read here from the dataclasses themselves: (owner, field)
+TREE_OPTIONS = [(LayoutRequest, f) for f in dataclasses.fields(LayoutRequest) if f.name not in SECTIONS] + [
+    (StrategyOptions, f) for f in dataclasses.fields(StrategyOptions) if f.name not in ("request", *SECTIONS)
+]
+# one value other than the default for each (a size alone, so that each is valid by itself)
+TREE_VALUES = {
+    "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 3,
+    "sequence_parallel": True, "expert_parallel_size": 2, "context_parallel_size": 2,
+    "activation_checkpointing": "selective", "activation_checkpointing_every": 2, "transformer_blocks": "model.h",
+    "compile": True, "track_gradient_norm": True, "process_group_backend": "gloo", "timeout": 90.0,
+    "health_checks": False, "monitor": False, "layout": "auto", "device_memory": 16.0,
+}  # fmt: skip
+TOGETHER_FLAT = {"sequence_parallel": {"tensor_parallel_size": 2}}  # what a value is only accepted with
+
+
+def test_the_constructor_signature_is_read_from_the_option_tree():
+    """Every parameter of ``HybridStrategy``'s signature (what LightningCLI reads) is a field of the tree, with its
+    type and default: the sizes and settings by their names, the sections' fields by the rule, each section by its
+    keyword, then Lightning's own arguments; keyword-only, in the tree's order."""
+    from lightning.pytorch.strategies.parallel import ParallelStrategy
+
+    parameters = list(inspect.signature(HybridStrategy).parameters.values())
+    hints = typing.get_type_hints(HybridStrategy.__init__)
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters)
+    expected = [o.name for o in flat_options()] + list(SECTIONS)
+    lightning = list(inspect.signature(ParallelStrategy.__init__).parameters)[1:]
+    assert [p.name for p in parameters] == expected + lightning
+    assert set(TREE_VALUES) == {f.name for _, f in TREE_OPTIONS}  # every option of the tree is tried below
+    for owner, f in TREE_OPTIONS:
+        parameter = inspect.signature(HybridStrategy).parameters[f.name]
+        assert parameter.default == f.default, f.name
+        assert hints[f.name] == typing.get_type_hints(owner)[f.name], f.name
+    assert HybridStrategy()._options == StrategyOptions()  # nothing given: every default is the tree's
+
+
+@pytest.mark.parametrize("name", sorted(TREE_VALUES))
+def test_each_flat_option_arrives_in_the_tree(name):
+    value = TREE_VALUES[name]
+    options = HybridStrategy(**TOGETHER_FLAT.get(name, {}), **{name: value})._options
+    where = options.request if name in {f.name for f in dataclasses.fields(LayoutRequest)} else options
+    got = getattr(where, name)
+    assert got == (datetime.timedelta(seconds=value) if name == "timeout" else value), (name, got)
+
+
+def test_an_unknown_argument_is_a_type_error_naming_the_nearest_option():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'pipline_schedule'; did you mean 'pipeline_sc"):
+        HybridStrategy(pipline_schedule="gpipe")
+    with pytest.raises(TypeError, match=r"takes 1 positional argument"):
+        HybridStrategy(2)  # type: ignore[misc]  # keyword-only, as the sections are
     request = HybridStrategy(pipeline_parallel_size=2, pipeline_schedule="gpipe", bucket_cap_mb=50)._options.request
     assert (request.pipeline.schedule, request.zero.bucket_cap_mb) == ("gpipe", 50.0)
+
+
+def test_the_constructor_docstring_lists_every_option_with_its_definition_help():
+    """``HybridStrategy.__init__``'s ``Arguments`` (what ``--help`` shows, parsed as jsonargparse parses it) are the
+    fields' own docstrings; a field of the tree without one fails here."""
+    import docstring_parser
+
+    documented = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse(
+        HybridStrategy.__init__.__doc__).params}  # fmt: skip
+    assert list(documented) == [o.name for o in flat_options()] + list(SECTIONS)
+    owners = [*[(owner, f) for owner, f in TREE_OPTIONS], *SECTION_FIELDS]
+    for owner, f in owners:
+        cls = SECTIONS[owner] if isinstance(owner, str) else owner
+        name = flat_argument(owner, f.name) if isinstance(owner, str) else f.name
+        doc = " ".join(field_docs(cls).get(f.name, "").split())
+        assert doc, f"{cls.__name__}.{f.name} has no docstring: its help"
+        assert documented[name].startswith(doc), name
+    for section, options in SECTIONS.items():
+        assert f":class:`~lightning_hybrid.{options.__name__}`" in documented[section]
+
+
+def _readme_table() -> list[list[str]]:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text.split("## Constructor arguments", 1)[1].split("\n| argument |", 1)[1].split("\n\n", 1)[0]
+    return [[cell.strip() for cell in line.strip().strip("|").split(" | ")] for line in table.splitlines()[2:]]
+
+
+def _shown(default: typing.Any) -> str:
+    if isinstance(default, datetime.timedelta):
+        return f"{default.total_seconds() / 60:g} minutes"
+    return f'`"{default}"`' if isinstance(default, str) else f"`{default!r}`"
+
+
+def test_the_readme_constructor_table_is_the_option_tree():
+    """The README's table: every option, in the tree's order, with its section field and its default."""
+    rows = _readme_table()
+    assert [row[0] for row in rows] == [f"`{o.name}`" for o in flat_options()]
+    for row, option in zip(rows, flat_options()):
+        assert row[1] == (f"`{option.section}`" if option.section else "—"), row
+        assert row[2] == _shown(option.default), row
+        assert row[3], row  # its meaning
 
 
 # ------------------------------------------------------------------------- typed sections: one option, two forms

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from lightning_hybrid.config import HybridConfigError, checkpoint_mode
-from lightning_hybrid.layout import LayoutRequest, ParallelLayout, StrategyOptions, check_auto_layout
+from lightning_hybrid.layout import LayoutRequest
 
-__all__ = ["auto_layout", "auto_request", "check_auto_layout", "resolve_layout"]
+__all__ = ["auto_layout", "auto_request"]
 
 
 def auto_layout(
@@ -97,41 +97,3 @@ def auto_request(request: LayoutRequest, module: nn.Module, **machine: Any) -> t
     )
     # num_microbatches None: the pipeline size (LayoutRequest.resolve)
     return replace(request, **sizes, pipeline=replace(pipeline, num_microbatches=num_microbatches)), message
-
-
-def resolve_layout(
-    options: StrategyOptions,
-    module: nn.Module,
-    *,
-    world_size: int,
-    devices_per_node: int,
-    device: torch.device,
-    precision: Any,
-) -> ParallelLayout:
-    """The layout ``HybridStrategy`` trains with: its request resolved against the world size; with
-    ``layout="auto"``, first :func:`auto_request` for this machine (``precision``: the precision plugin), the
-    planner's choice and ledger logged on rank 0. Collective-free: a bad layout raises on every rank alike.
-
-    Example:
-        >>> from lightning_hybrid.layout import StrategyOptions
-        >>> options = StrategyOptions.from_arguments(tensor_parallel_size=2)
-        >>> layout = resolve_layout(options, None, world_size=4, devices_per_node=4, device=None, precision=None)
-        >>> layout.data_parallel_size
-        2
-    """
-    request = options.request
-    if options.auto_layout:  # the planner's best feasible layout for this world size and device memory
-        from lightning_utilities.core.rank_zero import rank_zero_info  # the planner itself needs no Lightning
-
-        request, message = auto_request(
-            request,
-            module,
-            world_size=world_size,
-            devices_per_node=devices_per_node,
-            device=device,
-            device_memory=options.device_memory,
-            precision=str(getattr(precision, "precision", "32-true")),
-            activation_checkpointing=options.activation_checkpointing,
-        )
-        rank_zero_info(message)
-    return request.resolve(world_size)
