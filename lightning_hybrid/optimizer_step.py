@@ -20,10 +20,11 @@ created per step, handed to the precision plugin and kept as the last step (``la
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_hybrid._lightning_compat import unwrap_optimizer
 from lightning_hybrid.monitoring.gradients import grad_norm_error, raised_in_lightning_grad_norm
@@ -33,7 +34,7 @@ from lightning_hybrid.sharding.gradient_step import GradientStep
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["OptimizerStep"]
+__all__ = ["OptimizerStep", "pipelined_backward", "spine_hook"]
 
 
 class OptimizerStep:
@@ -190,3 +191,39 @@ class OptimizerStep:
     def release_schedulers(module: nn.Module) -> None:
         """Undo :meth:`hold_schedulers_on_skipped_steps` (at teardown)."""
         module.__dict__.pop("lr_scheduler_step", None)
+
+
+def pipelined_backward(strategy: Any, runner: Any, closure_loss: Tensor) -> Tensor:
+    """Step 2 of :meth:`OptimizerStep.run` under a pipeline, as the strategy's ``backward``: the schedule ran forward
+    and backward inside ``training_step``, so ``runner`` (the :class:`~lightning_hybrid.pipeline.PipelineRunner`) puts
+    its gradients back on the parameters where autograd's backward would run, between Lightning's backward hooks in
+    ``Strategy.backward``'s order."""
+    module, precision = strategy.lightning_module, strategy.precision_plugin
+    strategy.pre_backward(closure_loss)
+    closure_loss = precision.pre_backward(closure_loss, module)
+    runner.restore_gradients()
+    closure_loss = precision.post_backward(closure_loss, module)
+    strategy.post_backward(closure_loss)
+    return closure_loss
+
+
+def spine_hook(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The strategy's public method answered by ``method`` of the fit's :class:`OptimizerStep` it owns
+    (``strategy._optimizer_step``), or of that step's :class:`~lightning_hybrid.sharding.gradient_step.GradientStep`
+    for a method of that class; with the method's signature and docstring. One line each in the strategy, as its step
+    and checkpoint hooks are. The optimizers must be set up.
+
+    Example:
+        >>> from lightning_hybrid import HybridStrategy
+        >>> HybridStrategy.full_gradients.__doc__ == GradientStep.full_gradients.__doc__
+        True
+    """
+    of_gradients = getattr(GradientStep, method.__name__, None) is method
+
+    @functools.wraps(method)
+    def hook(strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        spine = strategy._optimizer_step
+        assert spine is not None, "set up the optimizers first"
+        return method(spine.gradients if of_gradients else spine, *args, **kwargs)
+
+    return hook

@@ -45,6 +45,7 @@ from lightning_hybrid.config import (
 from lightning_hybrid.layout import LayoutRequest, ParallelLayout, check_auto_layout, check_compile
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import check_monitor
+from lightning_hybrid.parallelize import ModelOptions
 from lightning_hybrid.planning.auto import auto_request
 from lightning_hybrid.watchdog import DEFAULT_TIMEOUT, resolve_timeout
 
@@ -171,6 +172,24 @@ class StrategyOptions:
             rank_zero_info(message)
         return request.resolve(world_size)
 
+    def model_options(self, device: Any, layer_sync: Any) -> ModelOptions:
+        """What :func:`~lightning_hybrid.parallelize.parallelize` takes of these options, for this rank's ``device``
+        and Lightning's ``layer_sync`` plugin (``Trainer(sync_batchnorm=True)``).
+
+        Example:
+            >>> options = StrategyOptions.from_flat({"activation_checkpointing": True})
+            >>> options.model_options("cpu", None).activation_checkpointing
+            'full'
+        """
+        return ModelOptions(
+            device=device,
+            activation_checkpointing=checkpoint_mode(self.activation_checkpointing),
+            activation_checkpointing_every=self.activation_checkpointing_every,
+            transformer_blocks=self.transformer_blocks,
+            compile=self.compile,
+            layer_sync=layer_sync,
+        )
+
 
 def _build(node: type, arguments: Mapping[str, Any]) -> Any:
     """The dataclass ``node`` of the tree from the flat ``arguments`` (those not given: the field's default)."""
@@ -273,38 +292,49 @@ def _is_string(node: ast.stmt) -> bool:
 
 
 def flat_constructor(base_init: Callable[..., None]) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Decorate ``HybridStrategy.__init__(self, **arguments)``: its signature (``__signature__``, ``__annotations__``)
-    and its docstring's ``Arguments`` are the flat options, the section keywords and ``base_init``'s own arguments
-    (Lightning's ``ParallelStrategy``), every one keyword-only. ``inspect.signature``, ``typing.get_type_hints`` and
-    LightningCLI's jsonargparse read them as if written by hand: ``--help`` with each option's help, type and default,
-    types checked, YAML ``init_args``.
+    """Make ``__init__(self, options: StrategyOptions, **base)`` the flat constructor: it takes every option by keyword
+    (flat, or a section whole) besides ``base_init``'s own arguments (Lightning's ``ParallelStrategy``), builds and
+    checks the options from them (:meth:`StrategyOptions.from_flat`) and passes ``base_init``'s on. Its signature
+    (``__signature__``, ``__annotations__``) and its docstring's ``Arguments`` are read from the tree, every argument
+    keyword-only: ``inspect.signature``, ``typing.get_type_hints`` and LightningCLI's jsonargparse read them as if
+    written by hand (``--help`` with each option's help, type and default; types checked; YAML ``init_args``).
 
     Example:
         >>> @flat_constructor(lambda self, accelerator=None: None)
-        ... def init(self, **arguments):
+        ... def init(self, options, accelerator=None):
         ...     "Made from the options."
+        ...     print(options.request.tensor_parallel_size, accelerator)
         >>> list(inspect.signature(init).parameters)[1:4]
         ['tensor_parallel_size', 'pipeline_parallel_size', 'data_parallel_size']
+        >>> init(None, tensor_parallel_size=2, accelerator="cpu")
+        2 cpu
     """
-    keyword = inspect.Parameter.KEYWORD_ONLY
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
     base_hints = typing.get_type_hints(base_init)
-    base = [p.replace(kind=keyword, annotation=base_hints.get(p.name, p.annotation))
+    base = [p.replace(kind=keyword_only, annotation=base_hints.get(p.name, p.annotation))
             for p in list(inspect.signature(base_init).parameters.values())[1:]]  # fmt: skip
     parameters = [
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        *(inspect.Parameter(o.name, keyword, default=o.default, annotation=o.annotation) for o in flat_options()),
-        *(inspect.Parameter(k, keyword, default=None, annotation=Optional[c]) for k, c, _ in section_keywords()),
+        *(inspect.Parameter(o.name, keyword_only, default=o.default, annotation=o.annotation) for o in flat_options()),
+        *(inspect.Parameter(k, keyword_only, default=None, annotation=Optional[c]) for k, c, _ in section_keywords()),
         *base,
     ]
     docs = [(o.name, f"{o.doc} (In its section: ``{o.section}``.)" if o.section else o.doc) for o in flat_options()]
-    docs += [(keyword, doc) for keyword, _, doc in section_keywords()]
+    docs += [(name, doc) for name, _, doc in section_keywords()]
     indent = {"initial_indent": "    ", "subsequent_indent": "        ", "break_on_hyphens": False}
     arguments = "\n".join(textwrap.fill(f"{name}: {' '.join(doc.split())}", 116, **indent) for name, doc in docs)
+    base_names = [p.name for p in base]
 
     def decorate(init: Callable[..., None]) -> Callable[..., None]:
-        init.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
-        init.__annotations__ = {p.name: p.annotation for p in parameters[1:]} | {"return": None}
-        init.__doc__ = f"{inspect.cleandoc(init.__doc__ or '')}\n\nArguments:\n{arguments}\n"
-        return init
+        def flat_init(self: Any, **given: Any) -> None:
+            passed_on = {name: given.pop(name) for name in base_names if name in given}
+            init(self, StrategyOptions.from_flat(given), **passed_on)
+
+        for name in ("__module__", "__name__", "__qualname__"):
+            setattr(flat_init, name, getattr(init, name))
+        flat_init.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
+        flat_init.__annotations__ = {p.name: p.annotation for p in parameters[1:]} | {"return": None}
+        flat_init.__doc__ = f"{inspect.cleandoc(init.__doc__ or '')}\n\nArguments:\n{arguments}\n"
+        return flat_init
 
     return decorate

@@ -1,14 +1,12 @@
 """HybridStrategy: the Lightning glue that composes the mesh, tensor parallel, the pipeline and ZeRO.
 
-The logic lives in the per-concern modules (docs/architecture.md): the arguments' checks in ``config.py``, processes
-and mesh in ``topology.py``, model surgery in ``parallelize.py``, the order of a training step in
-``optimizer_step.py`` (the step spine), checkpoint I/O in ``checkpoint/``; this class only decides *when* each runs in
-Lightning's loop.
+The logic lives in the per-concern modules (docs/architecture.md): the options in ``options.py``, processes and mesh
+in ``topology.py``, the model's set-up in ``model_setup.py`` (model surgery: ``parallelize.py``), a training step in
+``optimizer_step.py`` (the step spine), checkpoint I/O in ``checkpoint/``; this class decides *when* each runs.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -27,20 +25,18 @@ import lightning_hybrid._lightning_compat as compat
 import lightning_hybrid.topology as topology
 from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.checkpoint import ShardedCheckpointWriter
-from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_weights
-from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints
-from lightning_hybrid.config import checkpoint_mode
+from lightning_hybrid.checkpoint.pretrained import LoadReport
+from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints, checkpoint_hook
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import sequence_part, skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout
+from lightning_hybrid.model_setup import set_up_module
 from lightning_hybrid.module_step import check_before_fit, loss_context, step_hook
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults
-from lightning_hybrid.monitoring.metrics import sync_metrics_over
-from lightning_hybrid.monitoring.summary import summarize_whole_model
-from lightning_hybrid.optimizer_step import OptimizerStep
+from lightning_hybrid.optimizer_step import OptimizerStep, pipelined_backward, spine_hook
 from lightning_hybrid.options import StrategyOptions, flat_constructor
-from lightning_hybrid.parallelize import ModelOptions, Parallelized, parallelize
+from lightning_hybrid.parallelize import Parallelized
 from lightning_hybrid.pipeline import PipelineRunner
 from lightning_hybrid.precision import HybridPrecision, check_supported
 from lightning_hybrid.sharding.gradient_step import GradientStep
@@ -52,63 +48,38 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridStrategy"]
 
-# what the constructor hands on to Lightning's ParallelStrategy (the Trainer sets them)
-_LIGHTNING_ARGUMENTS = tuple(inspect.signature(ParallelStrategy.__init__).parameters)[1:]
-
 
 class HybridStrategy(ParallelStrategy):
     """Train any LightningModule in 3D parallel: tensor x pipeline x data parallel with ZeRO sharding.
 
     Each option is given flat (``pipeline_schedule="gpipe"``, as LightningCLI/YAML give them) or in its typed section
-    (``pipeline=PipelineOptions(schedule="gpipe")``); the constructor's arguments, their types, defaults and help are
-    read from the one definition of each option, a field of ``lightning_hybrid.options.StrategyOptions``' tree
-    (listed under ``HybridStrategy.__init__``, and in the README). A field of a section of one word takes the
-    section's name in front in the flat form (``plan`` <-> ``tensor_parallel_plan``); a longer one is the flat name
-    itself (``num_microbatches``). The sizes and the strategy's own settings are flat only. Both forms are checked
-    once (``StrategyOptions.from_flat``), raising :class:`~lightning_hybrid.HybridConfigError` alike on every rank,
-    also for an option given both ways differently (a flat argument at its default counts as not given).
+    (``pipeline=PipelineOptions(schedule="gpipe")``): the arguments, listed under ``__init__``, are read from the one
+    definition of each option (``lightning_hybrid/options.py``). An option given both ways must agree; a flat argument
+    at its default counts as not given. A bad option raises :class:`~lightning_hybrid.HybridConfigError` here, alike on
+    every rank.
 
     Example:
         >>> from lightning.pytorch import Trainer
         >>> strategy = HybridStrategy(tensor_parallel_size=2, zero_stage=1)
         >>> trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=10)  # tp=2 x dp=2
-
-        The same layout at tp=2 x pp=2, with the options in their sections:
-
-        >>> from lightning_hybrid import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
-        >>> strategy = HybridStrategy(
-        ...     tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1,
-        ...     tensor_parallel=TensorParallelOptions(plan={"*.mlp.c_fc": "colwise", "*.mlp.c_proj": "rowwise"}),
-        ...     pipeline=PipelineOptions(schedule="interleaved_1f1b", virtual_pipeline_size=2, num_microbatches=4),
-        ...     zero=ZeroOptions(bucket_cap_mb=50), checkpoint=CheckpointOptions(async_checkpoint=True),
-        ... )
-        >>> trainer = Trainer(accelerator="cpu", devices=8, strategy=strategy, max_steps=10)  # tp=2 x pp=2 x dp=2
-
-        An option given both ways must agree:
-
-        >>> from lightning_hybrid import HybridConfigError
-        >>> try:
-        ...     HybridStrategy(bucket_cap_mb=10, zero=ZeroOptions(bucket_cap_mb=50))
-        ... except HybridConfigError as error:
-        ...     print(str(error).split(". ")[0])
-        `bucket_cap_mb=10` and `zero=ZeroOptions(bucket_cap_mb=50.0)` give the same option two different values
+        >>> from lightning_hybrid import PipelineOptions  # tp=2 x pp=2 x dp=2, the pipeline's options in their section
+        >>> strategy = HybridStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, bucket_cap_mb=50,
+        ...                           pipeline=PipelineOptions(schedule="gpipe", num_microbatches=4))
+        >>> trainer = Trainer(accelerator="cpu", devices=8, strategy=strategy, max_steps=10)
     """
 
     strategy_name = "hybrid"
 
     @flat_constructor(ParallelStrategy.__init__)
-    def __init__(self, **arguments: Any) -> None:
-        """Every option by keyword, flat or in its section (the signature and this list are made from
-        ``lightning_hybrid.options``); besides, Lightning's ``ParallelStrategy`` arguments, which the Trainer sets."""
-        lightning = {name: arguments.pop(name) for name in _LIGHTNING_ARGUMENTS if name in arguments}
+    def __init__(self, options: StrategyOptions, **lightning: Any) -> None:
+        """Every option by keyword, flat or in its section, checked before this runs (``options.py``); Lightning's
+        ``ParallelStrategy`` arguments besides, which the Trainer sets."""
         super().__init__(**lightning)
-        # checked now (options.py): every rank runs the constructor, so all raise alike, before any collective exists
-        self._options = StrategyOptions.from_flat(arguments)
+        self._options = options
         self._checkpoint_writer = ShardedCheckpointWriter(asynchronous=self._options.checkpoint.async_checkpoint)
         self._checkpoints = StrategyCheckpoints(self, self._options.checkpoint, self._checkpoint_writer)
-        self.track_gradient_norm = self._options.track_gradient_norm
-        """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor has it taken on its
-        logging steps anyway."""
+        self.track_gradient_norm = options.track_gradient_norm
+        """Take the global gradient norm every step (``last_gradient_norm``; HybridMonitor asks on logging steps)."""
         self._topology: Optional[topology.Topology] = None
         self.parallelized: Optional[Parallelized] = None
         """What :func:`~lightning_hybrid.parallelize.parallelize` returned for the module (None before set-up)."""
@@ -225,37 +196,13 @@ class HybridStrategy(ParallelStrategy):
         # Lightning calls setup again for each entry point (fit, validate, test, predict) on the same module: the
         # model is split and sharded once
         if self._parallelized_module is not module:
-            options = ModelOptions(
-                device=self.root_device,
-                activation_checkpointing=checkpoint_mode(self._options.activation_checkpointing),
-                activation_checkpointing_every=self._options.activation_checkpointing_every,
-                transformer_blocks=self._options.transformer_blocks,
-                compile=self._options.compile,
-                layer_sync=compat.layer_sync(self),
-            )
-            deferred = self._deferred.plan(module, pipeline_partition=self.layout.pipeline.partition)
-            self.parallelized = parallelize(module, self.layout, self.device_mesh, options, self.precision_plugin,
-                                            self._topology.expert_mesh, self._topology.context_mesh)  # fmt: skip
-            pretrained = self._options.checkpoint.pretrained_weights
-            if deferred is not None:  # built on meta: only now, split, does this rank get memory for its shards
-                unsplit_copy = getattr(self.parallelized.verifier, "reference", None)
-                self._deferred.materialize(
-                    module, deferred, self.root_device, unsplit_copy=unsplit_copy, weights_follow=pretrained is not None
-                )
-            # the split model's own shards are filled from pretrained weights, before the optimizers (and ZeRO's fp32
-            # masters) are made from them; a later ckpt_path resume overwrites them (checkpoint/pretrained.py)
-            self.pretrained = load_pretrained_weights(module, pretrained, self.parallelized)
+            options = self._options.model_options(self.root_device, compat.layer_sync(self))
+            self.parallelized, self.pretrained = set_up_module(
+                module, self._topology, options, self.precision_plugin, deferred=self._deferred,
+                pretrained_weights=self._options.checkpoint.pretrained_weights, callbacks=trainer.callbacks,
+                reduce_gradients=self.reduce_gradients,
+            )  # fmt: skip
             self._pipeline, self._parallelized_module = self.parallelized.runner, module
-            verifier = self.parallelized.verifier
-            if verifier is not None:
-                # the check's gradients are summed within a replica: over the stages' tied weights and tensor-parallel
-                # replicas (verify_pipeline), or the tensor-parallel sums only, since ZeRO's reduction keeps state of
-                # its own that the check's dropped gradients must not reach (verify_tensor_parallel)
-                pipelined = self._pipeline is not None
-                verifier.sync = self.reduce_gradients if pipelined else self.parallelized.gradient_sync
-            sync_metrics_over(module, self._data_group)  # torchmetrics: reduce over replicas only
-            if self._pipeline is not None:  # Lightning's ModelSummary: one device's counts, not this rank's stages
-                summarize_whole_model(trainer.callbacks, module, self._pipeline.network, self._pipeline.split.unsplit)
         # Lightning's model summary runs example_input_array through the model on rank 0 alone: a split model's
         # forward is a collective (TP/ZeRO-3) or needs other stages, so it would hang or fail. Hidden until teardown.
         self._example_input_array, module.example_input_array = module.example_input_array, None
@@ -304,15 +251,8 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is not None:
-            # the schedule ran forward and backward inside training_step; keep Lightning's hooks, skip autograd
-            module = self.lightning_module
-            self.pre_backward(closure_loss)
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            self._pipeline.restore_gradients()
-            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-            self.post_backward(closure_loss)
-            return closure_loss
+        if self._pipeline is not None:  # the schedule ran the backward inside training_step: its gradients, restored
+            return pipelined_backward(self, self._pipeline, closure_loss)
         # the vocab-parallel cross-entropy's backward must run under the same loss_parallel context as its forward
         with loss_context(self.parallelized):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -327,14 +267,9 @@ class HybridStrategy(ParallelStrategy):
         """One training step's gradients and update, in order (``optimizer_step.py``, the step spine)."""
         blocked = self._backward_sync_blocked
         tracked = self.track_gradient_norm or any(m.wants_gradient_norm for m in self._monitors)
-        return self._require_optimizer_step().run(
-            optimizer,
-            closure,
-            model or self.lightning_module,
-            backward_sync_blocked=blocked,
-            track_norm=tracked,
-            **kwargs,
-        )
+        module = model or self.lightning_module
+        spine = self._require_optimizer_step()
+        return spine.run(optimizer, closure, module, backward_sync_blocked=blocked, track_norm=tracked, **kwargs)
 
     def _require_optimizer_step(self) -> OptimizerStep:
         assert self._optimizer_step is not None, "set up the optimizers first"
@@ -364,21 +299,10 @@ class HybridStrategy(ParallelStrategy):
     def _sharded_for(self, optimizer: Any) -> Optional[ShardedOptimizer]:
         return self._optimizer_step.gradients.sharded_for(optimizer) if self._optimizer_step is not None else None
 
-    def clip_gradients_by_global_norm(self, max_norm: float) -> float:
-        """Clip by the one-device global norm; returns it before clipping (``OptimizerStep.clip``; all ranks)."""
-        return self._require_optimizer_step().clip(max_norm)
-
-    def reduce_gradients(self, sharded: Optional[ShardedOptimizer] = None) -> None:
-        """Make gradients the single-device ones (``GradientStep.reduce``), once per optimizer step."""
-        self._require_optimizer_step().gradients.reduce(sharded)
-
-    def full_gradients(self) -> dict[str, Tensor]:
-        """Every reduced gradient, gathered whole (``GradientStep.full_gradients``; collective, all ranks)."""
-        return self._require_optimizer_step().gradients.full_gradients()
-
-    def gradient_norms(self, module: nn.Module, norm_type: float = 2.0) -> dict[str, float]:
-        """Each gradient's norm by its one-device name (``GradientStep.gradient_norms``; collective, all ranks)."""
-        return self._require_optimizer_step().gradients.gradient_norms(module, norm_type)
+    clip_gradients_by_global_norm = spine_hook(OptimizerStep.clip)
+    reduce_gradients = spine_hook(GradientStep.reduce)
+    full_gradients = spine_hook(GradientStep.full_gradients)
+    gradient_norms = spine_hook(GradientStep.gradient_norms)
 
     @property
     def pipeline_timeline(self) -> Any:
@@ -387,43 +311,14 @@ class HybridStrategy(ParallelStrategy):
         return self._pipeline.timeline if self._pipeline is not None else None
 
     # ------------------------------------------------------------------ checkpoints (checkpoint/strategy_io.py)
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # shards load in place into the parallelized model and the (ZeRO-wrapped) optimizers
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state with DTensors left sharded: every rank saves only its own shards."""
-        return self._checkpoints.module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """This rank's part of ``optimizer``'s state. Collective under ZeRO-1/2 (each parameter's state is written by
-        one replica): Lightning calls it on all ranks."""
-        return self._checkpoints.optimizer_state(optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write ``checkpoint`` (Lightning's dict) as a sharded checkpoint directory at ``filepath`` (all ranks)."""
-        self._checkpoints.save(checkpoint, filepath, storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Drop an older checkpoint; with async saves, once the newer one is committed."""
-        self._checkpoints.remove(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a checkpoint in place into the parallelized model and optimizers; returns the rest of Lightning's
-        dict (a DeepSpeed checkpoint is converted first)."""
-        return self._checkpoints.load(checkpoint_path, weights_only)
+    # shards load in place into the parallelized model and the (ZeRO-wrapped) optimizers, once they are set up
+    restore_checkpoint_after_setup = True
+    lightning_restore_optimizer = False
+    lightning_module_state_dict = checkpoint_hook(StrategyCheckpoints.module_state_dict)
+    optimizer_state = checkpoint_hook(StrategyCheckpoints.optimizer_state)
+    save_checkpoint = checkpoint_hook(StrategyCheckpoints.save)
+    remove_checkpoint = checkpoint_hook(StrategyCheckpoints.remove)
+    load_checkpoint = checkpoint_hook(StrategyCheckpoints.load)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -123,8 +123,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     # the model made parallel, and the step: what the strategy composes
     ("parallelize and the step spine", (
-        "lightning_hybrid.parallelize", "lightning_hybrid.module_step", "lightning_hybrid.sharding.gradient_step",
-        "lightning_hybrid.optimizer_step",
+        "lightning_hybrid.parallelize", "lightning_hybrid.model_setup", "lightning_hybrid.module_step",
+        "lightning_hybrid.sharding.gradient_step", "lightning_hybrid.optimizer_step",
     )),
     ("strategy and CLI", (
         "lightning_hybrid", "lightning_hybrid.options", "lightning_hybrid.strategy", "lightning_hybrid.cli",

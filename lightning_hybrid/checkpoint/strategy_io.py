@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,7 +28,7 @@ from lightning_hybrid.checkpoint.io import (
 )
 from lightning_hybrid.config import CheckpointOptions
 
-__all__ = ["StrategyCheckpoints"]
+__all__ = ["StrategyCheckpoints", "checkpoint_hook"]
 
 
 class StrategyCheckpoints:
@@ -142,6 +143,24 @@ class StrategyCheckpoints:
                 " if the global batch (batch_size x data_parallel_size) is the same as when it was saved."
             )
         return meta
+
+
+def checkpoint_hook(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The strategy's Lightning checkpoint hook answered by ``method`` of the :class:`StrategyCheckpoints` it owns
+    (``strategy._checkpoints``), with the method's docstring: one line each in the strategy, as its step hooks are
+    (``module_step.step_hook``).
+
+    Example:
+        >>> from lightning_hybrid import HybridStrategy
+        >>> HybridStrategy.save_checkpoint.__doc__ == StrategyCheckpoints.save.__doc__
+        True
+    """
+
+    def hook(strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(strategy._checkpoints, *args, **kwargs)
+
+    hook.__doc__ = method.__doc__
+    return hook
 
 
 def _first_replica_buffers(module: nn.Module, state: dict[str, Any], data_group: Any) -> dict[str, Any]:
