@@ -7,6 +7,7 @@ optimizers load in place, after set-up.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -147,8 +148,8 @@ class StrategyCheckpoints:
 
 def checkpoint_hook(method: Callable[..., Any]) -> Callable[..., Any]:
     """The strategy's Lightning checkpoint hook answered by ``method`` of the :class:`StrategyCheckpoints` it owns
-    (``strategy._checkpoints``), with the method's docstring: one line each in the strategy, as its step hooks are
-    (``module_step.step_hook``).
+    (``strategy._checkpoints``), with the method's signature and docstring: one line each in the strategy, as its step
+    hooks are (``module_step.step_hook``).
 
     Example:
         >>> from lightning_hybrid import HybridStrategy
@@ -156,10 +157,10 @@ def checkpoint_hook(method: Callable[..., Any]) -> Callable[..., Any]:
         True
     """
 
+    @functools.wraps(method)
     def hook(strategy: Any, *args: Any, **kwargs: Any) -> Any:
         return method(strategy._checkpoints, *args, **kwargs)
 
-    hook.__doc__ = method.__doc__
     return hook
 
 

@@ -200,7 +200,7 @@ class GradientStep:
         on all ranks, between the gradient reduction and the optimizer step (e.g. ``on_before_optimizer_step``)."""
         return {name: grad for name, grad in self._full_gradients(self.module)}
 
-    def gradient_norms(self, module: nn.Module, norm_type: float) -> dict[str, float]:
+    def gradient_norms(self, module: nn.Module, norm_type: float = 2.0) -> dict[str, float]:
         """The ``norm_type``-norm of each reduced gradient of ``module`` (the LightningModule or a submodule of it)
         over the whole model, by its one-device name: each full gradient (gathered one parameter at a time over
         TP and ZeRO-3 shards; ZeRO-1/2 gather their flat shards), every pipeline stage's merged, a tied copy that
