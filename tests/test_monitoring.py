@@ -46,8 +46,14 @@ def _scenario_comm(out: Path) -> dict[str, Any]:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
     result: dict[str, Any] = {}
+    # the meter replaces nothing: torch.distributed's functions, in both of torch's namespaces, stay the ones imported
+    names = ["all_reduce", "broadcast", "isend", "irecv", "send", "recv", "batch_isend_irecv", "all_gather_into_tensor",
+             "reduce_scatter_tensor", "all_to_all_single", "barrier", "all_gather_object"]  # fmt: skip
+    namespaces = (dist, dist.distributed_c10d)
+    originals = [[getattr(ns, n) for n in names] for ns in namespaces]
     with CommunicationMeter(mesh) as meter:
         dist.all_reduce(torch.ones(256), group=mesh.get_group("tensor"))  # c10d: 1024 bytes
+        # DTensor's scatter of a tensor it distributes: each rank's 4x4 fp32 piece, 64 bytes
         x = distribute_tensor(torch.randn(8, 4), mesh["tensor"], [Shard(0)])
         x.full_tensor()  # DTensor functional all-gather: gathered 8x4 fp32 = 128 bytes
         partial = DTensor.from_local(torch.ones(6), mesh["tensor"], [Partial()])
@@ -69,14 +75,17 @@ def _scenario_comm(out: Path) -> dict[str, Any]:
         # the pipeline schedules' homogeneous path calls isend/irecv directly, on the pipeline group by group rank
         group = mesh.get_group("data")
         if rank < 2:
-            dist.isend(torch.ones(5, dtype=torch.float16), group=group, group_dst=1).wait()
+            work = dist.isend(torch.ones(5, dtype=torch.float16), group=group, group_dst=1)
         else:
-            dist.irecv(torch.empty(5, dtype=torch.float16), group=group, group_src=0).wait()
+            work = dist.irecv(torch.empty(5, dtype=torch.float16), group=group, group_src=0)
+        result["work_is_torchs"] = type(work) is dist.Work  # what a call returns is torch's own, not a wrapper
+        work.wait()
         result["p2p"] = meter.totals()
-    # after exit nothing is patched or counted
+        result["untouched_inside"] = [[getattr(ns, n) for n in names] for ns in namespaces] == originals
+    # after exit nothing is counted
     dist.all_reduce(torch.ones(1))
     result["after"] = meter.totals()
-    result["patched_after"] = type(dist.all_reduce).__name__
+    result["untouched_after"] = [[getattr(ns, n) for n in names] for ns in namespaces] == originals
     return result
 
 
@@ -342,20 +351,22 @@ def test_communication_meter_counts_exact_bytes_per_dimension(group: dict[str, A
         a = {k: (v.calls, v.bytes) for k, v in r["a"].items()}
         assert a == {
             ("tensor", "all_reduce"): (2, 1024 + 24),
+            ("tensor", "scatter"): (1, 64),
             ("tensor", "all_gather_into_tensor"): (1, 128),
         }, (rank, a)
         assert all(v.seconds > 0 for v in r["a"].values())
         assert {k: (v.calls, v.bytes) for k, v in r["inner"].items()} == {("world", "broadcast"): (1, 80)}
         fsdp = {k: (v.calls, v.bytes) for k, v in r["fsdp"].items()}
-        assert fsdp == {("data", "all_gather_single"): (1, 128), ("data", "reduce_scatter_single"): (1, 128)}, fsdp
+        # FSDP2's all_gather_single / reduce_scatter_single run c10d's tensor all-gather and reduce-scatter
+        assert fsdp == {("data", "all_gather_into_tensor"): (1, 128), ("data", "reduce_scatter_tensor"): (1, 128)}, fsdp
         p2p = {k: (v.calls, v.bytes) for k, v in r["p2p"].items()}
         # one send and one receive of 40 bytes each (batch_isend_irecv), then 10 fp16 bytes sent by ranks 0-1
         expected = {("data", "send"): (2, 50), ("data", "recv"): (1, 40)}
         if rank >= 2:
             expected = {("data", "send"): (1, 40), ("data", "recv"): (2, 50)}
         assert p2p == expected, (rank, p2p)
-        assert r["after"] == r["p2p"]  # nothing counted after the meter exited
-        assert r["patched_after"] == "function"  # the original functions are back
+        assert {k: (v.calls, v.bytes) for k, v in r["after"].items()} == p2p  # nothing counted after it exited
+        assert r["work_is_torchs"] and r["untouched_inside"] and r["untouched_after"]
 
 
 MONITOR_METRICS = [
