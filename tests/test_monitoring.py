@@ -137,6 +137,8 @@ def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
     elif health == "perturb":
         callbacks.append(HealthChecks(replica_check_every_n_steps=2))
         callbacks.append(_Perturb())
+    untouched = _Untouched()
+    callbacks.append(untouched)
     kwargs = {**trainer_kwargs(STEPS), **options.get("trainer", {})}
     if options.get("wandb"):
         from lightning.pytorch.loggers import WandbLogger
@@ -169,6 +171,7 @@ def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
         import wandb
 
         wandb.finish()
+    result["untouched"] = untouched.seen
     result["health_callbacks"] = sum(isinstance(c, HealthChecks) for c in trainer.callbacks)
     monitors = [c for c in trainer.callbacks if isinstance(c, HybridMonitor)]
     result["monitor_callbacks"] = len(monitors)
@@ -198,6 +201,41 @@ def _count_routing(module: Any, trainer: Any) -> dict[int, dict[str, list[int]]]
     for e in experts:
         module.get_submodule(e.name).register_forward_pre_hook(hook(e.name, e.num_experts))
     return routed
+
+
+C10D_NAMES = ["all_reduce", "broadcast", "reduce", "isend", "irecv", "send", "recv", "batch_isend_irecv", "barrier",
+              "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single",
+              "all_gather_object", "broadcast_object_list"]  # fmt: skip
+
+
+def _c10d_functions() -> list[Any]:
+    import torch.distributed as dist
+
+    return [getattr(ns, n) for ns in (dist, dist.distributed_c10d) for n in C10D_NAMES]
+
+
+class _Untouched:
+    """In the middle of every optimizer step (the monitor's meter is active on its logging steps): whether torch's
+    c10d functions are the ones imported before the fit, the class of each optimizer the trainer holds, and whether
+    any experts module holds a forward of its own (expert parallel dispatches through hooks)."""
+
+    def __new__(cls) -> Any:
+        import lightning as L
+
+        class Untouched(L.Callback):
+            def __init__(self) -> None:
+                self.originals = _c10d_functions()
+                self.seen: list[tuple[bool, list[str], list[str]]] = []
+
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+                from lightning_hybrid.expert_parallel import find_expert_modules
+
+                classes = [f"{type(o).__module__}.{type(o).__qualname__}" for o in trainer.optimizers]
+                experts = [e.name for e in find_expert_modules(pl_module)[0]]
+                own = [n for n in experts if "forward" in pl_module.get_submodule(n).__dict__]
+                self.seen.append((_c10d_functions() == self.originals, classes, own))
+
+        return Untouched()
 
 
 class _Perturb:
@@ -379,6 +417,22 @@ MONITOR_METRICS = [
 ]  # fmt: skip
 # (plus ``throughput/mfu`` where the device's peak is known: never on CPU by Lightning's table, so only where given;
 # the achieved FLOP/s is logged without one)
+
+
+def test_nothing_of_torch_is_replaced_during_a_fit(group: dict[str, Any]) -> None:
+    """During fits with the communication meter on (tensor x data, pipeline x data, expert parallel), at every
+    optimizer step: torch.distributed's functions are the ones imported before, each optimizer's class is the one
+    ``configure_optimizers`` returned (ZeRO-1 wraps it by composition), and no experts module has a forward of its
+    own."""
+    for name in ("metrics", "wandb", "experts"):
+        for rank, r in enumerate(_result(group, name)):
+            assert len(r["untouched"]) == STEPS, (name, rank, r["untouched"])
+            for same, classes, own in r["untouched"]:
+                assert same, f"{name} rank {rank}: a c10d function was replaced during the fit"
+                assert classes == ["torch.optim.adamw.AdamW"], (name, rank, classes)
+                assert own == [], (name, rank, own)
+            if name == "experts":
+                assert r["routed"], "the experts scenario ran no experts module"
 
 
 def test_offline_wandb_run_holds_every_metric_once_per_logging_step_and_the_layout(group: dict[str, Any]) -> None:
