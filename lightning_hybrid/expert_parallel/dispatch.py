@@ -170,6 +170,10 @@ class ExpertDispatch:
     :func:`~lightning_hybrid.dtensor.local_parameters`); a forward hook that sends the outputs back and adds each
     pair's into its token. One metadata exchange per call: the pairs per expert, from which every rank knows the
     rows it receives and their local expert (the sender orders its pairs by expert).
+
+    Example:
+        >>> # ExpertDispatch(model.get_submodule("layers.0.mlp.experts"), 8, ep_mesh.get_group(), 2, load.add_counts)
+        >>> # model(tokens)   # the experts module's calls now dispatch and combine through its two hooks
     """
 
     def __init__(

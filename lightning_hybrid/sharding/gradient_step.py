@@ -44,7 +44,15 @@ class ZeroLightningOptimizer(LightningOptimizer):
     """Lightning's wrapper of an optimizer whose ZeRO wrapper steps master weights (its parameter groups hold the
     masters, not the model's parameters): its ``zero_grad`` (Lightning's loop, ``self.optimizers()[i].zero_grad()``
     in a manual step) is :meth:`ShardedOptimizer.zero_grad`, which clears the model's gradients too. Composition, as
-    Lightning's own wrapper is: the user's optimizer object and its class are left as they are."""
+    Lightning's own wrapper is: the user's optimizer object and its class are left as they are.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> wrapper = ZeroLightningOptimizer(optimizer)  # the strategy sets ``wrapper.zero`` to its ZeRO wrapper
+        >>> isinstance(wrapper, torch.optim.SGD), type(optimizer) is torch.optim.SGD
+        (True, True)
+    """
 
     zero: Optional[ShardedOptimizer] = None
 
