@@ -5,9 +5,11 @@ but not, under gloo, a ``send``/``recv``: the pipeline's activations and gradien
 listener when one starts or ends either, short of replacing the c10d functions for the whole process (which this
 package did, and no longer does). So the package's own code that posts transfers says so here: the pipeline's stages
 (``pipeline/step_data.py``: torch's schedules ask a stage for its send/receive ops, then wait for them) report each
-op they hand out, and when the transfer is over (a receive when the action that reads it starts, a send when the
-rank's next action starts or the schedule's step ends). A transfer another library posts is not seen here: a hang
-in one shows as the collective (or nothing) the flight recorder has for that rank.
+op they hand out, and when the transfer is over: a receive when the action that reads it starts, a send when the
+schedule's step ends (torch's schedules wait for every send by then, some only after later actions: 1F1B's warm-up
+waits for a micro-batch's send after the next forward, so a send's end cannot be told earlier). A transfer another
+library posts is not seen here: a hang in one shows as the collective (or nothing) the flight recorder has for that
+rank.
 
 A leaf: it knows neither the watchdog nor the pipeline. Observers are called on the posting thread: keep them to a
 few dictionary operations (one call per transfer, a few per micro-batch).
@@ -64,8 +66,8 @@ class PendingTransfers:
     """The transfers of one rank's pipeline stages that are posted and not yet over, each told to the observers.
 
     A receive is keyed by what will read it (``(kind, stage, micro-batch)``: the forward or backward action of that
-    stage), and is over when that action starts; sends are over when the rank's next action starts or the step ends
-    (torch's schedules wait for them by then). At most a few are pending at a time.
+    stage), and is over when that action starts; sends are over when the step ends (torch's schedules wait for them
+    by then). A step's sends are a few per micro-batch.
 
     Example:
         >>> pending = PendingTransfers()
@@ -93,10 +95,7 @@ class PendingTransfers:
                 self._receives.setdefault(reader, []).extend(tokens)
 
     def action_starts(self, action: tuple[str, int, int]) -> None:
-        """A compute action starts: the receives it reads are in, and the sends posted before it have been waited."""
-        if self._sends:
-            self._end(self._sends)
-            self._sends = []
+        """A compute action starts: the receives it reads are in."""
         if self._receives:
             self._end(self._receives.pop(action, []))
 

@@ -61,7 +61,7 @@ def _worker(rank: int, store: str, results: dict) -> None:
 def _observed_transfers(rank: int) -> list[tuple[str, str, int]]:
     """What a point-to-point observer (the hang watchdog's) is told of the transfers a pipeline stage posts, as
     torch's schedules ask a stage for them: each once, with its direction and peer, over when the action reading it
-    starts (a receive) or the next action starts (a send), or failed when the step ends without it."""
+    starts (a receive) or the step ends (a send), or failed when the step raised."""
     from lightning_hybrid.transfers import P2PObserver, PendingTransfers, observe_p2p_waits
 
     seen: list[tuple[str, str, int]] = []
@@ -84,6 +84,7 @@ def _observed_transfers(rank: int) -> list[tuple[str, str, int]]:
         for work in dist.batch_isend_irecv([first]):
             work.wait()
         pending.action_starts(("F", 1, 0))  # stage 1's forward of micro-batch 0 reads what came
+        pending.clear()  # the step's end: its sends were waited for
         then = dist.P2POp(dist.irecv if rank == 0 else dist.isend, t, 1 - rank)
         pending.posted(("B", 0, 0) if rank == 0 else None, [then])
         for work in dist.batch_isend_irecv([then]):
