@@ -14,10 +14,10 @@ peak RSS column then reads the group's). A step is timed from the end of one bat
 
 The bytes the meter counts are each all-to-all's whole buffer on this rank (its convention: nccl-tests' "size"), the
 rows that stay on the rank included. Per MoE layer and micro-batch a rank that sends ``S`` (token, expert) pairs and
-receives ``R`` moves, with hidden size ``H`` in ``b``-byte activations and 8-byte indices:
+receives ``R`` moves, with hidden size ``H`` in ``b``-byte activations, ``E`` experts and 8-byte counts:
 
-- forward: the counts (``8 ep``), the rows (``S H b``), their routing weights (``S b``) and expert indices
-  (``8 S``), and the outputs back (``R H b``);
+- forward: the pairs per expert (``8 E``: the one metadata exchange; each rank reads the rows it receives and their
+  local expert from it), the rows (``S H b``), their routing weights (``S b``), and the outputs back (``R H b``);
 - backward: the outputs' gradient (``S H b``), the rows' gradient (``R H b``) and the routing weights' (``R b``).
 
 ``S`` and ``R`` come from the router (the dispatch counts them); with uniform routing both are ``tokens x top_k``,
@@ -48,18 +48,18 @@ from benchmarks.page import write_section_between  # noqa: E402
 
 SECTION_BEGIN = "<!-- expert_parallel: begin (written by benchmarks/expert_parallel.py) -->"
 SECTION_END = "<!-- expert_parallel: end -->"
-INDEX_BYTES = 8  # the router's top-k indices and the counts are int64
+INDEX_BYTES = 8  # the counts are int64
 
 
-def dispatch_bytes(sent: int, received: int, hidden: int, ep: int, activation_bytes: int = 4) -> int:
+def dispatch_bytes(sent: int, received: int, hidden: int, experts: int, activation_bytes: int = 4) -> int:
     """Bytes of one MoE layer's all-to-alls for one micro-batch, forward and backward, on a rank that sends ``sent``
-    pairs and receives ``received`` (whole buffers, as the meter counts them).
+    pairs and receives ``received`` (whole buffers, as the meter counts them), ``experts`` experts in the layer.
 
     Example:
-        >>> dispatch_bytes(sent=64, received=64, hidden=32, ep=2)  # 8 ep + 2 (S + R) H b + S (b + 8) + R b
-        33808
+        >>> dispatch_bytes(sent=64, received=64, hidden=32, experts=4)  # 8 E + 2 (S + R) H b + S b + R b
+        33312
     """
-    forward = INDEX_BYTES * ep + sent * hidden * activation_bytes + sent * (activation_bytes + INDEX_BYTES)
+    forward = INDEX_BYTES * experts + sent * hidden * activation_bytes + sent * activation_bytes
     forward += received * hidden * activation_bytes
     backward = sent * hidden * activation_bytes + received * hidden * activation_bytes + received * activation_bytes
     return forward + backward
@@ -169,7 +169,7 @@ def theory(record: dict[str, Any], hidden: int, micro_batches: int = 1) -> list[
             mine = slice(position * per_rank, (position + 1) * per_rank)
             sent = sum(counts)
             received = sum(sum(ranks[peer]["tokens"][layer][mine]) for peer in group)
-            total += dispatch_bytes(sent, received, hidden, ep)
+            total += dispatch_bytes(sent, received, hidden, len(counts))
         out.append(total * micro_batches)
     return out
 
@@ -229,7 +229,7 @@ def _uniform(args: argparse.Namespace, ep: int) -> int:
     if ep == 1:
         return 0
     pairs = args.batch_size * args.seq * args.top_k
-    return args.layers * dispatch_bytes(pairs, pairs, args.hidden, ep)
+    return args.layers * dispatch_bytes(pairs, pairs, args.hidden, args.experts)
 
 
 def section(results: dict[str, Any]) -> str:

@@ -59,11 +59,11 @@ CAUSES: dict[str, str] = {
     " every stage, the input stubs and pass-through blocks of the cut and one timing record per action. Per step:"
     " one tensor broadcast of the loss and logged values, one Lightning `self.log` per logged name (its"
     " `sync_dist` reduces over the data-parallel group: nothing to reduce here), the gradient stash. Outside the"
-    " runner: the hang watchdog's observer of every point-to-point wait (`lightning_hybrid/c10d_interception.py`, a"
-    " signature bind per send/recv), Lightning's loop hooks and progress tracking, the `optimizer_step` closure,"
-    " which the plain loop does not have, and Lightning's broadcast of rank 0's SIGTERM flag before every batch (a"
-    " blocking collective, kept: read a batch late, a rank that got SIGTERM alone would leave while its peers start"
-    " a batch it never joins)." + _PER_STEP,
+    " runner: the stages' notes of the transfers they post, for the hang watchdog (`lightning_hybrid/transfers.py`, a"
+    " few dictionary operations per action), Lightning's loop hooks and progress tracking, the `optimizer_step`"
+    " closure, which the plain loop does not have, and Lightning's broadcast of rank 0's SIGTERM flag before every"
+    " batch (a blocking collective, kept: read a batch late, a rank that got SIGTERM alone would leave while its peers"
+    " start a batch it never joins)." + _PER_STEP,
     "host_overhead_lightning_floor": "No HybridStrategy code runs in this row: it is Lightning's loop (hooks,"
     " progress tracking, the automatic optimization's closure, one `self.log`, the SIGTERM broadcast"
     " before every batch) around the plain schedule. Whatever it shows is the part of the host-overhead row that no"

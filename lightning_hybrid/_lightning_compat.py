@@ -48,11 +48,13 @@ __all__ = [
     "finished_batches_of_epoch",
     "init_dist_connection",
     "layer_sync",
+    "lightning_optimizer",
     "module_device_mesh",
     "module_trainer",
     "summarize_with",
     "set_module_device_mesh",
     "set_launcher",
+    "set_lightning_optimizers",
     "set_world_ranks",
     "unwrap_optimizer",
     "wrap_closure",
@@ -66,6 +68,25 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     (present in 2.6 as a property; switch once every supported Lightning has it).
     """
     return getattr(optimizer, "_optimizer", optimizer)
+
+
+def lightning_optimizer(cls: type, optimizer: Any, strategy: Any) -> Any:
+    """Lightning's wrapper of ``optimizer`` for ``strategy``, made by ``cls`` (``LightningOptimizer`` or a subclass),
+    as ``Strategy.optimizers``' setter makes one.
+
+    ``LightningOptimizer._to_lightning_optimizer``: checked on lightning 2.6.6 (2.6.x); public replacement: none yet.
+    """
+    return cls._to_lightning_optimizer(optimizer, strategy)
+
+
+def set_lightning_optimizers(strategy: Any, wrappers: list[Any]) -> None:
+    """The wrappers ``LightningModule.optimizers()`` and the training loop hand out, in place of those the
+    ``Strategy.optimizers`` setter made.
+
+    ``Strategy._lightning_optimizers``: checked on lightning 2.6.6 (2.6.x); public replacement: none yet (the
+    setter always makes plain ``LightningOptimizer`` wrappers).
+    """
+    strategy._lightning_optimizers = wrappers
 
 
 def wrap_closure(plugin: Any, model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:

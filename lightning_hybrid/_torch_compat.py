@@ -31,7 +31,6 @@ __all__ = [
     "all_to_all_autograd",
     "BatchNormBase",
     "TorchDispatchMode",
-    "c10d_namespaces",
     "colwise_input_fn",
     "style_output_fn",
     "compute_local_shape_and_global_offset",
@@ -47,6 +46,7 @@ __all__ = [
     "mark_optimizer_stepped",
     "mark_step_reports_itself",
     "non_finite_check_and_unscale_",
+    "op_argument_names",
     "op_name",
     "privateuse1_backend_name",
     "queue_autograd_callback",
@@ -58,6 +58,8 @@ __all__ = [
     "storage_identity",
     "tree_flatten",
     "tree_map",
+    "unboxed_process_group",
+    "unboxed_work",
 ]
 
 # --- DTensor --------------------------------------------------------------------------------------------------------
@@ -209,14 +211,30 @@ WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_or
 # --- c10d -----------------------------------------------------------------------------------------------------------
 
 
-def c10d_namespaces() -> tuple[Any, Any]:
-    """The two module namespaces a c10d function is reached by: ``torch.distributed.distributed_c10d`` (torch's own
-    helpers call its globals: ``all_gather_object`` calls ``all_gather`` there) and ``torch.distributed`` (users and
-    Lightning). The communication meter replaces a function in both to time it. Public replacement: none (torch
-    has no hook per c10d call; its flight recorder records collectives only, and not under every backend)."""
-    import torch.distributed.distributed_c10d as c10d
+def unboxed_process_group(boxed: Any) -> Any:
+    """The ``ProcessGroup`` a ``torch.ops.c10d`` operation receives (a ``ScriptObject`` as a dispatch mode sees it):
+    ``ProcessGroup.unbox``, a static method torch's own dispatch-mode tools use (``_tools/fake_collectives.py``).
+    Checked on torch 2.13. Public replacement: none documented (switch when ``torch.distributed`` documents one)."""
+    return dist.ProcessGroup.unbox(boxed)
 
-    return c10d, dist
+
+def unboxed_work(boxed: Any) -> Any:
+    """The ``Work`` a ``torch.ops.c10d`` operation returns, as a dispatch mode sees it (a ``ScriptObject``):
+    ``Work.unbox``, the counterpart of :func:`unboxed_process_group`. Checked on torch 2.13. Public replacement:
+    none documented."""
+    return dist.Work.unbox(boxed)
+
+
+def op_argument_names(func: Any) -> list[str]:
+    """The argument names of an ``OpOverload``'s schema (``func._schema.arguments``), to find an argument by name
+    once per operation. Checked on torch 2.11 and 2.13. Public replacement: none (the schema is the operation's
+    only signature).
+
+    Example:
+        >>> op_argument_names(torch.ops.aten.add.Tensor)
+        ['self', 'other', 'alpha']
+    """
+    return [a.name for a in func._schema.arguments]
 
 
 def resolve_process_group(name: str) -> Any:

@@ -213,7 +213,9 @@ class HybridStrategy(ParallelStrategy):
             self._first_batch_unchecked = True
             self.setup_optimizers(trainer)
             self._require_optimizer_step().hold_schedulers_on_skipped_steps(trainer)
-        self.setup_precision_plugin()
+        self.setup_precision_plugin()  # its connect() sets the optimizers again: Lightning's wrappers are made after
+        if self._optimizer_step is not None:  # zero_grad of an optimizer of masters clears the model's too
+            self._optimizer_step.gradients.wrap_lightning_optimizers(self)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -223,9 +225,6 @@ class HybridStrategy(ParallelStrategy):
         gradients = GradientStep.for_layout(self.lightning_module, self.optimizers, self.layout, self.device_mesh,
                                             self.parallelized, self.precision_plugin, self.root_device)  # fmt: skip
         self._optimizer_step = OptimizerStep(gradients, self.precision_plugin)
-        # Lightning's wrappers subclass each optimizer's class when made: made again, they see the class the ZeRO
-        # wrappers gave it (a zero_grad that clears the model's gradients too, not only the masters')
-        self.optimizers = self.optimizers
 
     @override
     def model_to_device(self) -> None:

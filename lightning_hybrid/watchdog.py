@@ -5,12 +5,13 @@ collective until the process groups' timeout. Then the gloo ranks raise one by o
 without a word on which rank held the job up. This module adds the missing word and bounds the exit:
 
 - **What each rank waits in.** torch's flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, set here unless the user set
-  it) records every collective in C++, NCCL and gloo alike (DTensor's functional collectives included): its per-group
-  sequence numbers tell who has entered a collective and who has not. Under gloo it does not record ``send``/``recv``:
-  the pipeline's point-to-point waits come from the communication meter's patches of the c10d functions
-  (:func:`~lightning_hybrid.c10d_interception.observe_p2p_waits`), which note only when a wait begins and ends.
+  it) records every collective in C++, NCCL and gloo alike (DTensor's functional collectives and the user's own
+  included): its per-group sequence numbers tell who has entered a collective and who has not. Under gloo it does not
+  record ``send``/``recv``: the pipeline's transfers are told by the pipeline's stages themselves, as they hand their
+  ops to torch's schedule (:mod:`lightning_hybrid.transfers`; nothing of torch is replaced to see them).
 - **Heartbeats.** A daemon thread publishes that state to the job's store every few seconds (never per collective:
-  nothing extra runs on the training path but the point-to-point bookkeeping).
+  nothing extra runs on the training path but the stages' bookkeeping of their transfers, a few dictionary operations
+  per micro-batch).
 - **On a timeout** (the collective raised, or this rank has waited past the timeout), the rank flags the hang in the
   store and reads every rank's heartbeat. The rank whose heartbeat stopped, or that has not entered the collective its
   peers wait in, is named; every rank prints the report (its own wait, each rank's collective and mesh dimension) and
@@ -40,8 +41,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch.distributed as dist
 
 from lightning_hybrid._torch_compat import flight_recorder_dumper
-from lightning_hybrid.c10d_interception import P2PObserver, observe_p2p_waits
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.transfers import P2PObserver, observe_p2p_waits
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -137,8 +138,8 @@ class HangWatchdog(P2PObserver):
             group = mesh.get_group(name)
             self._groups.setdefault(group.group_name, [name, dist.get_process_group_ranks(group)])
         self._prefix = f"lightning_hybrid/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_runs)}"
-        # point-to-point waits in progress, token -> (op, group name, peer, since, failed); a failed one stays (the
-        # report names it) until the thread waits again
+        # point-to-point transfers in progress, token -> (op, group name, peer, since, failed); a failed one stays
+        # (the report names it) until the next transfer begins
         self._waits: dict[int, tuple[str, str, Optional[int], float, bool]] = {}
         self._tokens = itertools.count()
         self._failed = False
@@ -154,7 +155,7 @@ class HangWatchdog(P2PObserver):
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
-        """Connect to the store, start observing point-to-point waits and the heartbeat thread."""
+        """Connect to the store, start observing the pipeline's transfers and the heartbeat thread."""
         self._store = _connect_store()
         observe_p2p_waits(self)
         self._publish()

@@ -95,12 +95,12 @@ def test_no_import_cycle_inside_the_package() -> None:
 # (`lightning_hybrid.checkpoint`, ...) re-export their modules, so each sits with the highest module it re-exports.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what everything may use: errors and the layout as data, DTensor helpers, forward hooks, errors every rank
-    # raises together, the compat modules (every private torch and Lightning name), the c10d interception and groups
+    # raises together, the compat modules (every private torch and Lightning name), transfers in flight and groups
     ("leaves", (
         "lightning_hybrid._version", "lightning_hybrid.config", "lightning_hybrid.layout",
         "lightning_hybrid.pipeline_schedules", "lightning_hybrid.dtensor", "lightning_hybrid._hooks",
         "lightning_hybrid.agreement",
-        "lightning_hybrid._torch_compat", "lightning_hybrid._lightning_compat", "lightning_hybrid.c10d_interception",
+        "lightning_hybrid._torch_compat", "lightning_hybrid._lightning_compat", "lightning_hybrid.transfers",
         "lightning_hybrid.process_groups",
     )),
     # the parallel mechanisms, written against torch alone (no Lightning: see MECHANISMS_IMPORT_NO_LIGHTNING)

@@ -269,3 +269,20 @@ def test_the_planner_counts_context_ranks() -> None:
     assert one.tokens == 2 * two.tokens  # 8 replicas' samples against 4
     refused = plan(**{**sizes, "heads": 2}, context_parallel_size=4).layouts[0]
     assert not refused.feasible and "context parallel (1 x 4) does not divide heads=2" in refused.reason
+
+
+def test_the_users_model_config_is_left_as_it_was() -> None:
+    """transformers reads each attention module's ``config._attn_implementation`` at every call: context parallel
+    gives the modules a copy naming its attention, and the config the user made (and a checkpoint saves) keeps its
+    own value."""
+    from lightning_hybrid.context_parallel import ContextShard, apply_context_parallel
+    from lightning_hybrid.context_parallel.attention import ATTENTION_NAME
+
+    module = build_module("hf-llama")
+    config = module.model.config
+    before = config._attn_implementation
+    apply_context_parallel(plan_context_parallel(module, cp=2, tp=1), ContextShard(group=None, rank=0, size=2))
+    assert config._attn_implementation == before != ATTENTION_NAME
+    holders = [m for m in module.model.modules() if "config" in m.__dict__]
+    assert holders and all(m.config._attn_implementation == ATTENTION_NAME for m in holders)
+    assert all(m.config is not config for m in holders)

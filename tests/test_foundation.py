@@ -104,8 +104,9 @@ WORLD2 = [
                 precision_plugin={"precision": "16-mixed", "hysteresis": 1, "initial_scale": 2.0**10},
                 inject_inf={"step": OVERFLOW_AT, "rank": 1}, probe=True), "model": "nanogpt_scheduled"},
     # ZeRO-2: every backward pass reduces its buckets into the owners' shards (accumulation adds into the shard)
-    scenario("nanogpt-dp2-zero2-buckets-accum", "nanogpt", {"zero_stage": 2, "bucket_cap_mb": BUCKET_MB}, 2,
-             trainer={"accumulate_grad_batches": 2}),
+    # (its second optimizer step metered: the collectives each bucket costs)
+    {**scenario("nanogpt-dp2-zero2-buckets-accum", "nanogpt", {"zero_stage": 2, "bucket_cap_mb": BUCKET_MB}, 2,
+                trainer={"accumulate_grad_batches": 2}), "metered_step": 1},
     # a parameter used on data rank 0 only: rank 1 holds its bucket (and the later ones) back until backward ends
     {**scenario("nanogpt-dp2-zero2-buckets-gated", "nanogpt", {"zero_stage": 2, "bucket_cap_mb": BUCKET_MB}, 2,
                 trainer={"accumulate_grad_batches": 2}), "model": "nanogpt_gated"},
@@ -323,6 +324,15 @@ def test_gradient_buckets_reduce_during_backward(request: pytest.FixtureRequest,
         # the last layers' gradients come first in backward: their bucket completes and starts at once every pass
         assert buckets[0]["in_backward"] == passes, f"rank {rank}: {buckets}"
         started_in_backward.append([b["in_backward"] for b in buckets])
+    if "metered_step" in scenario:
+        # one reduce-scatter per bucket and backward pass (each owner its piece), no reduce per owner; the step's
+        # parameter all-gather is one more data-parallel collective
+        accumulated = scenario["trainer"]["accumulate_grad_batches"]
+        for rank, record in enumerate(result["per_rank"]):
+            calls = record["metered_calls"]
+            (buckets,) = record["gradient_buckets"]
+            assert calls.get("data/reduce_scatter") == len(buckets) * accumulated, (rank, calls, len(buckets))
+            assert "data/reduce" not in calls, (rank, calls)
     if scenario["model"] == "nanogpt_unused":
         # `unused` (in model.h[0]) never reports, so its bucket and every later one start when backward ends, on
         # every rank

@@ -46,8 +46,14 @@ def _scenario_comm(out: Path) -> dict[str, Any]:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
     result: dict[str, Any] = {}
+    # the meter replaces nothing: torch.distributed's functions, in both of torch's namespaces, stay the ones imported
+    names = ["all_reduce", "broadcast", "isend", "irecv", "send", "recv", "batch_isend_irecv", "all_gather_into_tensor",
+             "reduce_scatter_tensor", "all_to_all_single", "barrier", "all_gather_object"]  # fmt: skip
+    namespaces = (dist, dist.distributed_c10d)
+    originals = [[getattr(ns, n) for n in names] for ns in namespaces]
     with CommunicationMeter(mesh) as meter:
         dist.all_reduce(torch.ones(256), group=mesh.get_group("tensor"))  # c10d: 1024 bytes
+        # DTensor's scatter of a tensor it distributes: each rank's 4x4 fp32 piece, 64 bytes
         x = distribute_tensor(torch.randn(8, 4), mesh["tensor"], [Shard(0)])
         x.full_tensor()  # DTensor functional all-gather: gathered 8x4 fp32 = 128 bytes
         partial = DTensor.from_local(torch.ones(6), mesh["tensor"], [Partial()])
@@ -69,14 +75,17 @@ def _scenario_comm(out: Path) -> dict[str, Any]:
         # the pipeline schedules' homogeneous path calls isend/irecv directly, on the pipeline group by group rank
         group = mesh.get_group("data")
         if rank < 2:
-            dist.isend(torch.ones(5, dtype=torch.float16), group=group, group_dst=1).wait()
+            work = dist.isend(torch.ones(5, dtype=torch.float16), group=group, group_dst=1)
         else:
-            dist.irecv(torch.empty(5, dtype=torch.float16), group=group, group_src=0).wait()
+            work = dist.irecv(torch.empty(5, dtype=torch.float16), group=group, group_src=0)
+        result["work_is_torchs"] = type(work) is dist.Work  # what a call returns is torch's own, not a wrapper
+        work.wait()
         result["p2p"] = meter.totals()
-    # after exit nothing is patched or counted
+        result["untouched_inside"] = [[getattr(ns, n) for n in names] for ns in namespaces] == originals
+    # after exit nothing is counted
     dist.all_reduce(torch.ones(1))
     result["after"] = meter.totals()
-    result["patched_after"] = type(dist.all_reduce).__name__
+    result["untouched_after"] = [[getattr(ns, n) for n in names] for ns in namespaces] == originals
     return result
 
 
@@ -128,6 +137,8 @@ def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
     elif health == "perturb":
         callbacks.append(HealthChecks(replica_check_every_n_steps=2))
         callbacks.append(_Perturb())
+    untouched = _Untouched()
+    callbacks.append(untouched)
     kwargs = {**trainer_kwargs(STEPS), **options.get("trainer", {})}
     if options.get("wandb"):
         from lightning.pytorch.loggers import WandbLogger
@@ -160,6 +171,7 @@ def _scenario_trainer(out: Path, name: str, **options: Any) -> dict[str, Any]:
         import wandb
 
         wandb.finish()
+    result["untouched"] = untouched.seen
     result["health_callbacks"] = sum(isinstance(c, HealthChecks) for c in trainer.callbacks)
     monitors = [c for c in trainer.callbacks if isinstance(c, HybridMonitor)]
     result["monitor_callbacks"] = len(monitors)
@@ -189,6 +201,41 @@ def _count_routing(module: Any, trainer: Any) -> dict[int, dict[str, list[int]]]
     for e in experts:
         module.get_submodule(e.name).register_forward_pre_hook(hook(e.name, e.num_experts))
     return routed
+
+
+C10D_NAMES = ["all_reduce", "broadcast", "reduce", "isend", "irecv", "send", "recv", "batch_isend_irecv", "barrier",
+              "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single",
+              "all_gather_object", "broadcast_object_list"]  # fmt: skip
+
+
+def _c10d_functions() -> list[Any]:
+    import torch.distributed as dist
+
+    return [getattr(ns, n) for ns in (dist, dist.distributed_c10d) for n in C10D_NAMES]
+
+
+class _Untouched:
+    """In the middle of every optimizer step (the monitor's meter is active on its logging steps): whether torch's
+    c10d functions are the ones imported before the fit, the class of each optimizer the trainer holds, and whether
+    any experts module holds a forward of its own (expert parallel dispatches through hooks)."""
+
+    def __new__(cls) -> Any:
+        import lightning as L
+
+        class Untouched(L.Callback):
+            def __init__(self) -> None:
+                self.originals = _c10d_functions()
+                self.seen: list[tuple[bool, list[str], list[str]]] = []
+
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+                from lightning_hybrid.expert_parallel import find_expert_modules
+
+                classes = [f"{type(o).__module__}.{type(o).__qualname__}" for o in trainer.optimizers]
+                experts = [e.name for e in find_expert_modules(pl_module)[0]]
+                own = [n for n in experts if "forward" in pl_module.get_submodule(n).__dict__]
+                self.seen.append((_c10d_functions() == self.originals, classes, own))
+
+        return Untouched()
 
 
 class _Perturb:
@@ -342,20 +389,22 @@ def test_communication_meter_counts_exact_bytes_per_dimension(group: dict[str, A
         a = {k: (v.calls, v.bytes) for k, v in r["a"].items()}
         assert a == {
             ("tensor", "all_reduce"): (2, 1024 + 24),
+            ("tensor", "scatter"): (1, 64),
             ("tensor", "all_gather_into_tensor"): (1, 128),
         }, (rank, a)
         assert all(v.seconds > 0 for v in r["a"].values())
         assert {k: (v.calls, v.bytes) for k, v in r["inner"].items()} == {("world", "broadcast"): (1, 80)}
         fsdp = {k: (v.calls, v.bytes) for k, v in r["fsdp"].items()}
-        assert fsdp == {("data", "all_gather_single"): (1, 128), ("data", "reduce_scatter_single"): (1, 128)}, fsdp
+        # FSDP2's all_gather_single / reduce_scatter_single run c10d's tensor all-gather and reduce-scatter
+        assert fsdp == {("data", "all_gather_into_tensor"): (1, 128), ("data", "reduce_scatter_tensor"): (1, 128)}, fsdp
         p2p = {k: (v.calls, v.bytes) for k, v in r["p2p"].items()}
         # one send and one receive of 40 bytes each (batch_isend_irecv), then 10 fp16 bytes sent by ranks 0-1
         expected = {("data", "send"): (2, 50), ("data", "recv"): (1, 40)}
         if rank >= 2:
             expected = {("data", "send"): (1, 40), ("data", "recv"): (2, 50)}
         assert p2p == expected, (rank, p2p)
-        assert r["after"] == r["p2p"]  # nothing counted after the meter exited
-        assert r["patched_after"] == "function"  # the original functions are back
+        assert {k: (v.calls, v.bytes) for k, v in r["after"].items()} == p2p  # nothing counted after it exited
+        assert r["work_is_torchs"] and r["untouched_inside"] and r["untouched_after"]
 
 
 MONITOR_METRICS = [
@@ -368,6 +417,22 @@ MONITOR_METRICS = [
 ]  # fmt: skip
 # (plus ``throughput/mfu`` where the device's peak is known: never on CPU by Lightning's table, so only where given;
 # the achieved FLOP/s is logged without one)
+
+
+def test_nothing_of_torch_is_replaced_during_a_fit(group: dict[str, Any]) -> None:
+    """During fits with the communication meter on (tensor x data, pipeline x data, expert parallel), at every
+    optimizer step: torch.distributed's functions are the ones imported before, each optimizer's class is the one
+    ``configure_optimizers`` returned (ZeRO-1 wraps it by composition), and no experts module has a forward of its
+    own."""
+    for name in ("metrics", "wandb", "experts"):
+        for rank, r in enumerate(_result(group, name)):
+            assert len(r["untouched"]) == STEPS, (name, rank, r["untouched"])
+            for same, classes, own in r["untouched"]:
+                assert same, f"{name} rank {rank}: a c10d function was replaced during the fit"
+                assert classes == ["torch.optim.adamw.AdamW"], (name, rank, classes)
+                assert own == [], (name, rank, own)
+            if name == "experts":
+                assert r["routed"], "the experts scenario ran no experts module"
 
 
 def test_offline_wandb_run_holds_every_metric_once_per_logging_step_and_the_layout(group: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@ against torch's own all-reduce (every op Lightning accepts, in place, integer me
 untouched), and ``build_device_mesh`` reusing a layout's mesh in a later fit of the same process instead of making a
 process group per dimension again (with their threads, which slowed the whole process fit after fit), and building a
 new one once those groups were destroyed; ``subgroup`` reusing a group of the same ranks; and the point-to-point
-observer (the hang watchdog's) told of each transfer's wait exactly once."""
+observer (the hang watchdog's) told of each transfer a pipeline stage posts exactly once."""
 
 from __future__ import annotations
 
@@ -59,9 +59,10 @@ def _worker(rank: int, store: str, results: dict) -> None:
 
 
 def _observed_transfers(rank: int) -> list[tuple[str, str, int]]:
-    """What a point-to-point observer (the hang watchdog's hook) is told about a batched send/receive, as torch's
-    schedules issue them, then a blocking one: each wait once, with its direction and peer."""
-    from lightning_hybrid.c10d_interception import P2PObserver, observe_p2p_waits
+    """What a point-to-point observer (the hang watchdog's) is told of the transfers a pipeline stage posts, as
+    torch's schedules ask a stage for them: each once, with its direction and peer, over when the action reading it
+    starts (a receive) or the step ends (a send), or failed when the step raised."""
+    from lightning_hybrid.transfers import P2PObserver, PendingTransfers, observe_p2p_waits
 
     seen: list[tuple[str, str, int]] = []
 
@@ -75,12 +76,20 @@ def _observed_transfers(rank: int) -> list[tuple[str, str, int]]:
 
     observer = Counting()
     observe_p2p_waits(observer)
+    pending = PendingTransfers()
     try:
         t = torch.full((4,), float(rank))
-        ops = [dist.P2POp(dist.isend if rank == 0 else dist.irecv, t, 1 - rank)]
-        for work in dist.batch_isend_irecv(ops):
+        first = dist.P2POp(dist.isend if rank == 0 else dist.irecv, t, 1 - rank)
+        pending.posted(None if rank == 0 else ("F", 1, 0), [first])
+        for work in dist.batch_isend_irecv([first]):
             work.wait()
-        (dist.send if rank == 1 else dist.recv)(t, 1 - rank)
+        pending.action_starts(("F", 1, 0))  # stage 1's forward of micro-batch 0 reads what came
+        pending.clear()  # the step's end: its sends were waited for
+        then = dist.P2POp(dist.irecv if rank == 0 else dist.isend, t, 1 - rank)
+        pending.posted(("B", 0, 0) if rank == 0 else None, [then])
+        for work in dist.batch_isend_irecv([then]):
+            work.wait()
+        pending.clear(failed=True)  # the step raised before stage 0's backward read it
     finally:
         observe_p2p_waits(observer, active=False)
     return seen
@@ -96,8 +105,9 @@ def test_reduce_and_mesh_reuse_on_two_processes(tmp_path: Path) -> None:
         assert out["subgroup"] == (True, True, 2.0), out["subgroup"]
         first, then = ("send", "recv") if rank == 0 else ("recv", "send")
         peer = 1 - rank
-        # once per wait: a transfer observed twice (the isend inside batch_isend_irecv or a blocking send) cost 60-80 us
-        assert out["observed"] == [("begin", first, peer), ("end", "ok", -1), ("begin", then, peer), ("end", "ok", -1)]
+        assert out["observed"] == [
+            ("begin", first, peer), ("end", "ok", -1), ("begin", then, peer), ("end", "failed", -1)
+        ], out["observed"]  # fmt: skip
         assert out["mean"] == (1.5, True) and out["avg"] == (1.5, True), out
         assert out["sum"] == (3.0, True) and out["None"] == (3.0, True) and out[str(dist.ReduceOp.SUM)] == (3.0, True)
         assert out["max"] == (2.0, True) and out["min"] == (1.0, True), out

@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -79,6 +80,9 @@ def run(scenario: dict, out_dir: Path) -> None:
     start = _StartParameters() if scenario.get("record_start_params") else None
     if start is not None:
         trainer.callbacks.append(start)  # the weights a resumed fit starts from (e.g. a DeepSpeed hand-over)
+    metered = _MeteredStep(scenario["metered_step"]) if "metered_step" in scenario else None
+    if metered is not None:
+        trainer.callbacks.append(metered)
     counter = _CollectiveCounter(strategy) if scenario.get("count_collectives") else None
     if counter is not None:
         trainer.callbacks.append(counter)
@@ -182,6 +186,7 @@ def run(scenario: dict, out_dir: Path) -> None:
             "local_numel": result["local_numel"],
             "sampler": result["sampler"],
             "gradient_buckets": strategy.gradient_buckets,
+            "metered_calls": metered.calls if metered is not None else None,
             "peak_gradient_bytes": peak.peaks if peak is not None else None,
             "verification": getattr(getattr(strategy, "_pipeline", None), "verification", None),
             "pretrained_reads": reads.summary(module) if reads is not None else None,
@@ -195,6 +200,26 @@ def run(scenario: dict, out_dir: Path) -> None:
         result["probe"] = records
     if dist.get_rank() == 0:
         torch.save(result, out_dir / f"{scenario['name']}.pt")
+
+
+class _MeteredStep(L.Callback):
+    """The collectives of one optimizer step (every batch it accumulates), by the communication meter: calls per
+    (dimension, collective)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls, self._meter = step, None, None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        from lightning_hybrid.monitoring import CommunicationMeter
+
+        if trainer.global_step == self.step and self._meter is None:
+            self._meter = CommunicationMeter(trainer.strategy.device_mesh).__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._meter is not None and trainer.global_step > self.step:
+            self._meter.__exit__(None, None, None)
+            self.calls = {f"{d}/{op}": s.calls for (d, op), s in self._meter.totals().items()}
+            self._meter = None
 
 
 class _StartParameters(L.Callback):

@@ -6,6 +6,7 @@ every rank alike); :func:`apply_context_parallel` installs the hooks; the strate
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
@@ -112,6 +113,26 @@ def plan_context_parallel(module: nn.Module, cp: int, tp: int) -> ContextParalle
     return plan
 
 
+def _attention_through_exchange(model: nn.Module) -> None:
+    """Every module of ``model`` reads an attention implementation that is the exchange's: each module holding the
+    model's config (or one of its sub-configs) gets a copy of it naming the exchange's attention function. The
+    user's config objects are left as they are (transformers reads ``config._attn_implementation`` at every
+    attention call, so the model's own config would have to be written otherwise; tensor parallel copies a config
+    per attention module the same way)."""
+    original = model.config
+    copied = copy.deepcopy(original)
+    copies = {id(original): copied}
+    for key in getattr(original, "sub_configs", {}) or {}:
+        sub = getattr(original, key, None)
+        if sub is not None:
+            copies[id(sub)] = getattr(copied, key)
+    copied._attn_implementation = ATTENTION_NAME  # transformers sets it on the copy's sub-configs too
+    for sub in model.modules():
+        config = sub.__dict__.get("config")
+        if config is not None and id(config) in copies:
+            sub.config = copies[id(config)]
+
+
 def apply_context_parallel(plan: ContextParallelPlan, shard: ContextShard) -> None:
     """Install the exchange around attention and the global positions on the planned models."""
     if plan.huggingface:
@@ -121,7 +142,7 @@ def apply_context_parallel(plan: ContextParallelPlan, shard: ContextShard) -> No
         for sub in model.modules():
             sub.__dict__[SHARD_ATTRIBUTE] = shard  # plain attributes: read by the attention function
             sub.__dict__[CALLS_ATTRIBUTE] = calls
-        model.config._attn_implementation = ATTENTION_NAME
+        _attention_through_exchange(model)
         install_hf_positions(model, shard, calls)
     for gpt in plan.litgpt:
         calls = AttentionCalls()

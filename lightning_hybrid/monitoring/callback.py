@@ -69,8 +69,8 @@ class HybridMonitor(L.Callback):
             precision's compute dtype; unknown on CPU, so no MFU there).
         console: print one line per logging step on global rank 0.
         progress_bar: show the loss and tokens/s in the progress bar.
-        measure_communication: time collectives on logging steps (intercepting DTensor's functional collectives
-            slows that one step; the share divides by the same step's time).
+        measure_communication: time collectives on logging steps (the meter's dispatch mode slows that one step;
+            the share divides by the same step's time).
         communication_alert: alert when the communication share of a step exceeds this fraction.
         loss_spike_factor: alert when the loss exceeds this multiple of its running mean (``loss_spike_window`` steps).
         skipped_steps_alert: alert when this many optimizer steps were skipped (fp16 overflow) within
@@ -181,11 +181,8 @@ class HybridMonitor(L.Callback):
         if experts is not None and logging_step:
             experts.load.counting = True  # the logging step's tokens per expert, all its micro-batches
         if self.measure_communication and self._meter is None and logging_step:
-            mesh = _mesh(trainer)
-            # DTensor's (tensor parallel) and the expert dispatch's all-to-alls are functional collectives
-            functional = mesh is not None and mesh["tensor"].size() > 1 or experts is not None
             expert_mesh = experts.mesh if experts is not None else None
-            self._meter = CommunicationMeter(mesh, expert_mesh=expert_mesh, functional_collectives=functional)
+            self._meter = CommunicationMeter(_mesh(trainer), expert_mesh=expert_mesh)
             self._meter.__enter__()
             self._meter_start = time.perf_counter()
 

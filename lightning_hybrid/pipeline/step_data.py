@@ -18,6 +18,8 @@ from typing import Any, Optional
 from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_hybrid.transfers import PendingTransfers
+
 __all__ = ["ActionTimer", "StepContext", "StepResults", "StepTimeline", "TimedStage"]
 
 LogRecord = tuple[str, Any, tuple, dict]
@@ -113,12 +115,15 @@ class ActionTimer:
         self.start = 0.0
         self._left = 0
         self._before_last: Optional[Callable[[], None]] = None
+        self.transfers = PendingTransfers()
+        """The stages' point-to-point transfers in flight, told to the hang watchdog (``transfers.py``)."""
 
     def begin(self, before_last: Optional[tuple[int, Callable[[], None]]] = None) -> None:
         """Start a step's timeline; ``before_last`` = (actions in the step, callback): the callback runs as the
         step's last action starts (:meth:`starting`)."""
         self.timeline = StepTimeline(rank=self.rank)
         self._left, self._before_last = before_last if before_last is not None else (0, None)
+        self.transfers.clear()
         self.start = time.perf_counter()
 
     def starting(self) -> None:
@@ -131,6 +136,7 @@ class ActionTimer:
 
     def end(self) -> None:
         self.timeline.step_time = time.perf_counter() - self.start
+        self.transfers.clear()  # the schedule waited for every send before its step returned
 
     def record(self, kind: str, stage: int, chunk: int, begin: float) -> None:
         self.timeline.events.append((kind, stage, chunk, begin - self.start, time.perf_counter() - self.start))
@@ -138,8 +144,10 @@ class ActionTimer:
 
 class TimedStage(PipelineStage):
     """torch's ``PipelineStage``, recording each compute action the schedule runs on it (torch's schedules call
-    these three methods once per micro-batch) into ``timer``'s timeline. The method names are torch's stage
-    internals, checked on torch 2.11 and 2.13 (see ``lightning_hybrid._torch_compat``)."""
+    these three methods once per micro-batch) into ``timer``'s timeline, and the send/receive ops the schedule asks
+    it for into ``timer.transfers`` (the hang watchdog's view of the pipeline's transfers: the flight recorder has
+    none under gloo). The method names are torch's stage internals, checked on torch 2.11 and 2.13 (see
+    ``lightning_hybrid._torch_compat``)."""
 
     def __init__(self, *args: Any, timer: ActionTimer, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -155,7 +163,29 @@ class TimedStage(PipelineStage):
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         return self._timed("W", bwd_chunk_id, super().backward_weight_one_chunk, args, kwargs)
 
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        self.timer.transfers.posted(("F", self.stage_index, fwd_chunk_id), ops)
+        return ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        self.timer.transfers.posted(("B", self.stage_index, bwd_chunk_id), ops)
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        self.timer.transfers.posted(None, ops)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        self.timer.transfers.posted(None, ops)
+        return ops
+
     def _timed(self, kind: str, chunk: int, action: Callable, args: tuple, kwargs: dict) -> Any:
+        # the gradient a backward reads came with the ops asked for as "B", for an input-only backward ("I") too
+        self.timer.transfers.action_starts(("F" if kind == "F" else "B", self.stage_index, chunk))
         self.timer.starting()
         begin = time.perf_counter()
         try:

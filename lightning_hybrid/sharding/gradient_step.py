@@ -12,10 +12,15 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._lightning_compat import unwrap_optimizer
+from lightning_hybrid._lightning_compat import (
+    lightning_optimizer,
+    set_lightning_optimizers,
+    unwrap_optimizer,
+)
 from lightning_hybrid.dtensor import full_tensor
 from lightning_hybrid.expert_parallel import ExpertShards
 from lightning_hybrid.sharding.flat import DataDomain
@@ -32,7 +37,30 @@ if TYPE_CHECKING:
     from lightning_hybrid.layout import ParallelLayout
     from lightning_hybrid.parallelize import Parallelized
 
-__all__ = ["GradientStep"]
+__all__ = ["GradientStep", "ZeroLightningOptimizer"]
+
+
+class ZeroLightningOptimizer(LightningOptimizer):
+    """Lightning's wrapper of an optimizer whose ZeRO wrapper steps master weights (its parameter groups hold the
+    masters, not the model's parameters): its ``zero_grad`` (Lightning's loop, ``self.optimizers()[i].zero_grad()``
+    in a manual step) is :meth:`ShardedOptimizer.zero_grad`, which clears the model's gradients too. Composition, as
+    Lightning's own wrapper is: the user's optimizer object and its class are left as they are.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> wrapper = ZeroLightningOptimizer(optimizer)  # the strategy sets ``wrapper.zero`` to its ZeRO wrapper
+        >>> isinstance(wrapper, torch.optim.SGD), type(optimizer) is torch.optim.SGD
+        (True, True)
+    """
+
+    zero: Optional[ShardedOptimizer] = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.zero is None:
+            unwrap_optimizer(self).zero_grad(set_to_none=set_to_none)
+        else:
+            self.zero.zero_grad(set_to_none=set_to_none)
 
 
 class GradientStep:
@@ -149,6 +177,20 @@ class GradientStep:
             offload=zero.offload_optimizer,
             experts=parallelized.experts,
         )
+
+    def wrap_lightning_optimizers(self, strategy: Any) -> None:
+        """Lightning's wrappers of the strategy's optimizers, a :class:`ZeroLightningOptimizer` for each whose ZeRO
+        wrapper steps masters (a plain ``LightningOptimizer`` otherwise)."""
+        wrappers = []
+        for optimizer in strategy.optimizers:
+            zero = self.sharded_for(optimizer)
+            if zero is not None and zero.uses_masters:
+                wrapper = lightning_optimizer(ZeroLightningOptimizer, optimizer, strategy)
+                wrapper.zero = zero
+            else:
+                wrapper = lightning_optimizer(LightningOptimizer, optimizer, strategy)
+            wrappers.append(wrapper)
+        set_lightning_optimizers(strategy, wrappers)
 
     def close(self) -> None:
         """Stop the gradient hooks listening to backward (the fit ended; a later fit builds a new step)."""

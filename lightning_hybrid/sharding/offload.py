@@ -98,8 +98,7 @@ def check_offloadable(optimizer: Optimizer) -> bool:
         >>> check_offloadable(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), weight_decay=0.1))
         True
     """
-    # the user's class: ZeRO gives the optimizer a subclass of it whose zero_grad also clears the model's gradients
-    cls = getattr(type(optimizer), "_user_class", type(optimizer))
+    cls = type(optimizer)
     name = cls.__name__
     if cls not in (torch.optim.Adam, torch.optim.AdamW):
         raise HybridConfigError(

@@ -37,9 +37,10 @@ class _ShardBucket:
     their elements (the data-parallel ranks whose shards hold them) once every one of them has reported.
 
     The buffer is laid out by owner: rank 0's pieces first, then rank 1's, ..., and within an owner by flat group and
-    flat offset, so the bucket is one ``dist.reduce`` per owner whatever groups its parameters come from, and each
-    owner adds a few contiguous runs into its shard. (Cutting buckets at every change of optimizer group instead gave
-    the example's decay / no-decay groups 35 buckets of one to three parameters: 35 collectives per backward pass.)"""
+    flat offset, so the bucket is one reduce-scatter whatever groups its parameters come from (each owner receives its
+    piece, of its own length; a rank that owns none receives nothing), and each owner adds a few contiguous runs into
+    its shard. (Cutting buckets at every change of optimizer group instead gave the example's decay / no-decay groups
+    35 buckets of one to three parameters: 35 collectives per backward pass.)"""
 
     def __init__(self, index: int, members: list[tuple[nn.Parameter, int, int]], shards: list[int]) -> None:
         # members: (parameter, flat group, flat offset) in backward order; shards: each group's shard size
@@ -56,7 +57,7 @@ class _ShardBucket:
         cut.sort(key=lambda c: c[:3])
         self.slots: list[list[tuple[int, int, int]]] = [[] for _ in members]  # per parameter: (at, offset, length)
         self.runs: list[list[int]] = []  # [owner, group, flat lo, flat hi, at]: contiguous in the buffer and the shard
-        self.owners: list[tuple[int, int, int]] = []  # (owner, lo, hi) in the buffer: one reduction each
+        self.owners: list[tuple[int, int, int]] = []  # (owner, lo, hi) in the buffer: the owners' pieces
         at = 0
         for q, g, lo, hi, i, offset in cut:
             self.slots[i].append((at, offset, hi - lo))
@@ -76,6 +77,7 @@ class _ShardBucket:
             (p, a, n) for p, slots in zip(self.params, self.slots) for a, _, n in sorted(slots, key=lambda s: s[1])
         ]
         self.buffer: Optional[Tensor] = None  # allocated when the pass's first gradient arrives, freed once reduced
+        self.received: Optional[Tensor] = None  # this rank's piece of the buffer, reduced in place
         self.reported: set[int] = set()
         self.handles: list[Any] = []
         self.launches = 0
@@ -98,7 +100,8 @@ class ShardedGradientBuckets(InOrderLaunch):
     * a post-accumulate-grad hook adds a parameter's gradient into its bucket (in the shard's dtype: fp32 under
       '-true' precisions) and frees autograd's tensor (``p.grad = None``);
     * once every parameter of the next bucket has reported, its pieces are reduced, asynchronously, to the ranks
-      whose shards hold them (``dist.reduce``: one collective per owner, at most dp per bucket). Buckets start in
+      whose shards hold them: one reduce-scatter per bucket, each rank receiving its own piece (of its own length,
+      often nothing: ``dist.reduce_scatter`` of a list, which gloo and NCCL take uneven). Buckets start in
       order on every rank; at most ``MAX_IN_FLIGHT`` are in flight: starting one more first waits for the oldest,
       which its owner adds into its shard accumulator and every rank frees. The rest start when backward ends. So
       a rank holds its shard plus at most ``MAX_IN_FLIGHT + 1`` bucket buffers (those in flight and the one
@@ -107,8 +110,9 @@ class ShardedGradientBuckets(InOrderLaunch):
       DeepSpeed's stage 2 does): keeping the full gradient between micro-batches would be ZeRO-1's memory.
       :meth:`take` hands the accumulated shard to the optimizer at the step.
 
-    A dist.reduce to the owner keeps the shard layout of stage 1 (and of checkpoints); a reduce-scatter per bucket
-    would give each rank a slice of every bucket instead (Megatron's layout).
+    The uneven reduce-scatter keeps the shard layout of stage 1 (and of checkpoints); an even one per bucket would
+    give each rank a slice of every bucket instead (Megatron's layout). It replaced one ``dist.reduce`` per owner (up
+    to dp collectives per bucket).
 
     ``tensor_sync``: the :class:`GradientSync` of tensor-parallel replicated parameters, run on each bucket before it
     is reduced (the full gradients are gone after backward; the sync is linear, so per micro-batch is exact).
@@ -167,6 +171,13 @@ class ShardedGradientBuckets(InOrderLaunch):
         if current:
             self.buckets.append(_ShardBucket(len(self.buckets), current, shards))
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        # per bucket, each data-parallel rank's piece of the buffer (empty for a rank that owns none of it)
+        self._pieces: list[list[tuple[int, int]]] = []
+        for b in self.buckets:
+            pieces = [(0, 0)] * dp
+            for q, lo, hi in b.owners:
+                pieces[q] = (lo, hi)
+            self._pieces.append(pieces)
         first = next((p for g in groups for p in g.params), None)
         self.dtype = dtype or (local_tensor(first).dtype if first is not None else torch.float32)
         self.device = local_tensor(first).device if first is not None else torch.device("cpu")
@@ -233,31 +244,35 @@ class ShardedGradientBuckets(InOrderLaunch):
         buffer = self._buffer(b)  # a parameter that got no gradient on this rank contributes zeros
         if self.tensor_sync is not None:
             self.tensor_sync.sync_views(*b.views(buffer))
-        for q, lo, hi in b.owners:
-            dst = dist.get_global_rank(self.group, q)
-            b.handles.append(dist.reduce(buffer[lo:hi], dst, group=self.group, async_op=True))
+        pieces = self._pieces[b.index]
+        lo, hi = pieces[self.dp_rank]
+        # in place: this rank's reduced piece lands where its own contribution was (gloo and NCCL allow it)
+        b.received = buffer[lo:hi]
+        inputs = [buffer[a:z] for a, z in pieces]
+        b.handles.append(dist.reduce_scatter(b.received, inputs, group=self.group, async_op=True))
         b.launches += 1
         b.launched_in_backward += int(in_backward)
         self._next += 1
         self._in_flight.append(b)
 
     def _settle(self, b: _ShardBucket) -> None:
-        """Wait for the bucket's reductions; the owner adds its piece into its shard; the buffer is freed."""
+        """Wait for the bucket's reduce-scatter; the owner adds its piece into its shard; the buffers are freed."""
         for handle in b.handles:
             handle.wait()
         b.handles = []
+        first = self._pieces[b.index][self.dp_rank][0]  # where this rank's piece starts in the bucket's buffer
         for q, g, lo, hi, at in b.runs:
-            if q == self.dp_rank and b.buffer is not None:
+            if q == self.dp_rank and b.received is not None:
                 shard = self.flat_groups[g].shard_size
                 base = self.dp_rank * shard
                 acc = self._accumulators[g]
                 if acc is None:
                     acc = self._accumulators[g] = torch.zeros(shard, dtype=self.dtype, device=self.device)
-                acc[lo - base : hi - base].add_(b.buffer[at : at + hi - lo])
+                acc[lo - base : hi - base].add_(b.received[at - first : at - first + hi - lo])
                 if self._host is not None and self._armed:  # final for this step: to host memory, not waited for
                     self._host[g][lo - base : hi - base].copy_(acc[lo - base : hi - base], non_blocking=True)
                     self._copied[g] += hi - lo
-        b.buffer = None
+        b.buffer = b.received = None
         b.reported.clear()
 
     @torch.no_grad()
@@ -292,7 +307,7 @@ class ShardedGradientBuckets(InOrderLaunch):
         for b in self.buckets:
             for handle in b.handles:
                 handle.wait()
-            b.handles, b.buffer = [], None
+            b.handles, b.buffer, b.received = [], None, None
             b.reported.clear()
         self._in_flight, self._next, self._callback_queued, self._armed = [], 0, False, False
         self._accumulators = [None] * len(self.flat_groups)

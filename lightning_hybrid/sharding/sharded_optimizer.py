@@ -126,7 +126,6 @@ class ShardedOptimizer:
         self._gathered_versions = [_versions(g.params) for g in self.groups]
         if self.uses_masters:
             optimizer.state.clear()  # state of full parameters (if any) no longer matches the shards
-            self._clear_model_gradients_on_zero_grad(optimizer)
         # ZeRO-2 reduces in buckets during every backward pass (ShardedGradientBuckets), in the shard's dtype
         # (not with expert weights: their groups reduce over other ranks, after the last backward pass)
         bucketed = bucket_cap_mb is not None and self.dp > 1 and bool(self.model_parameters)
@@ -160,28 +159,19 @@ class ShardedOptimizer:
                 bucket_cap_mb=bucket_cap_mb,
             )
 
-    def _clear_model_gradients_on_zero_grad(self, optimizer: Optimizer) -> None:
-        """The optimizer's groups hold the masters, but backward accumulates into the model's parameters: its
-        ``zero_grad`` clears their gradients too, as the unwrapped optimizer's would. Otherwise a manual step with
-        two optimizers added its second backward to the gradients its first left on the second optimizer's
-        parameters (reduction only takes the gradients of the optimizer that steps). The fp32 accumulation buffers of
-        low-precision parameters are left alone: under a pipeline, Lightning's ``zero_grad`` comes after the step's
-        backward, which has already folded the gradients into them (a manual step with two optimizers in
-        ``bf16-true`` is untested)."""
-        # the user's class, also when a second fit wraps the same optimizer again
-        base, model_parameters = getattr(type(optimizer), "_user_class", type(optimizer)), self.model_parameters
-
-        def zero_grad(wrapper: Optimizer, set_to_none: bool = True) -> None:
-            base.zero_grad(wrapper, set_to_none=set_to_none)  # the masters (a Lightning wrapper reads the groups here)
-            for p in model_parameters:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The user's optimizer's ``zero_grad`` (its groups hold the masters), and the model's gradients too, as the
+        unwrapped optimizer's would clear them: otherwise a manual step with two optimizers added its second backward
+        to the gradients its first left on the second optimizer's parameters (reduction only takes the gradients of
+        the optimizer that steps). Lightning's wrapper of this optimizer calls it (``ZeroLightningOptimizer`` in
+        ``sharding/gradient_step.py``); the user's optimizer object and its class are left as they are. The fp32
+        accumulation buffers of low-precision parameters are left alone: under a pipeline, Lightning's ``zero_grad``
+        comes after the step's backward, which has already folded the gradients into them (a manual step with two
+        optimizers in ``bf16-true`` is untested)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.uses_masters:
+            for p in self.model_parameters:
                 p.grad = None
-
-        # a method of the class, not of the instance: Lightning's LightningOptimizer subclasses the optimizer's class
-        # and finds zero_grad there, never on the instance (which left the first backward's gradients on the second
-        # optimizer's parameters in a manual step with two optimizers)
-        # (``_user_class``: what the user returned, for checks that want that class exactly)
-        methods = {"zero_grad": zero_grad, "__module__": base.__module__, "_user_class": base}
-        optimizer.__class__ = type(base.__name__, (base,), methods)
 
     @property
     def reduces_in_backward(self) -> bool:
