@@ -86,7 +86,15 @@ TUPLES = [
     _case("bounds-hybrid-layers-pp2", "boundary_hybrid", "1f1b"),
     _case("bounds-pyramid-sizes-pp2", "boundary_pyramid", "interleaved"),
 ]
-share(2, [*MIXED, CROSSING, *TUPLES])
+# the plan a refusal of Falcon's multi-query fused query_key_value gives as its example (below), trained
+FALCON_MLP_PLAN = {
+    "model.transformer.h.*.mlp.dense_h_to_4h": "colwise",
+    "model.transformer.h.*.mlp.dense_4h_to_h": "rowwise",
+}
+REMEDY = {"name": "remedy-falcon-mlp-plan-tp2", "model": "hf-falcon", "model_kwargs": {"example_input": False},
+          "dataset": "tokens", "strategy": {"tensor_parallel_size": 2, "tensor_parallel_plan": FALCON_MLP_PLAN},
+          "steps": STEPS, "batch_size": 4, "data_parallel_size": 1, "refusal": ""}  # fmt: skip
+share(2, [*MIXED, CROSSING, *TUPLES, REMEDY])
 
 
 def _one_device(name: str) -> dict[str, Any]:
@@ -119,6 +127,52 @@ def test_boundaries_carry_each_tensors_dtype_under_16_bit_autocast(shared_groups
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("case", [CROSSING, *TUPLES], ids=[c["name"] for c in [CROSSING, *TUPLES]])
 def test_stand_ins_return_what_blocks_return_and_skips_across_stages_are_refused(shared_groups, case: dict) -> None:
+    check_trained_or_refused(shared_groups(2), case, world=2, tolerance=1e-5)
+
+
+def test_a_fused_qkv_refusal_gives_an_example_plan_in_the_models_own_names() -> None:
+    """Falcon's multi-query ``query_key_value`` (a name the table does not know) without ``example_input_array``:
+    the refusal's example plan named ``attn.q``, which no such model has. Now the MLP pair of its own names, which
+    the strategy accepts (the attention stays replicated; its one key/value head divides nothing) and which trains
+    like one device (``remedy-falcon-mlp-plan-tp2`` below)."""
+    import ast
+    import re
+
+    from lightning_hybrid.structure import find_model_structure
+    from lightning_hybrid.tensor_parallel.apply import validate_tensor_parallel_plan
+    from lightning_hybrid.tensor_parallel.plan import build_tensor_parallel_plan
+    from tests.zoo_models import HFCausalLM
+
+    module = HFCausalLM("falcon", example_input=False)
+    structure = find_model_structure(module)
+    with pytest.raises(HybridConfigError, match=r"give a plan in this model's layer names, e\.g\.") as refused:
+        build_tensor_parallel_plan(module, structure)
+    example = ast.literal_eval(re.search(r"`tensor_parallel_plan=(\{.*?\})`", str(refused.value)).group(1))
+    assert example == FALCON_MLP_PLAN
+    plan = build_tensor_parallel_plan(module, structure, example)
+    validate_tensor_parallel_plan(module, plan, 2)
+
+
+def test_dbrx_experts_are_refused_by_expert_parallel_naming_their_form() -> None:
+    """docs/expert-parallel.md named DBRX among the families expert parallel dispatches; its experts keep every
+    expert's rows stacked in 2-D matrices of a child module, and were refused as holding "no packed expert weights"."""
+    import transformers
+
+    from lightning_hybrid.expert_parallel import find_expert_modules
+
+    config = transformers.DbrxConfig(
+        d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},
+        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+    )  # fmt: skip
+    found, refused = find_expert_modules(transformers.DbrxForCausalLM(config))
+    assert found == [] and set(refused) == {f"transformer.blocks.{i}.ffn.experts" for i in range(2)}
+    assert all("(mlp.w1, mlp.v1, mlp.w2) are 2-D matrices stacking every expert's rows" in r for r in refused.values())
+
+
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("case", [REMEDY], ids=[REMEDY["name"]])
+def test_the_example_plan_of_the_refusal_trains_like_one_device(shared_groups, case: dict[str, Any]) -> None:
     check_trained_or_refused(shared_groups(2), case, world=2, tolerance=1e-5)
 
 

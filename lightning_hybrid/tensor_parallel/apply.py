@@ -85,12 +85,13 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
             if isinstance(value, int) and value % tp:
                 problems.append(f"{name}.{attr}={value}")
         problems += [f"{name}.config.{a}={v}" for a, v in config_head_counts(module).items() if v % tp]
-    # Hugging Face attention reads head counts from the model config, not from module attributes
+    # Hugging Face attention reads head counts from the model config, not from module attributes; a plan that splits
+    # no attention (the MLP alone, the fix for a multi-query fused q|k|v) does not divide them
     configs = {id(c): c for m in root.modules() if (c := getattr(m, "config", None)) is not None}.values()
     for config in configs:
         for attr in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(config, attr, None)
-            if isinstance(value, int) and plan.sharded_region_modules and value % tp:
+            if isinstance(value, int) and plan.attention_modules and value % tp:
                 problems.append(f"config.{attr}={value}")
     if problems:
         raise HybridConfigError(
