@@ -336,12 +336,16 @@ class PipelineRunner:
             step.active = None
 
     def _sendable(self, stage: int, out: Any) -> Any:
-        """``stage``'s output as its boundary sends it: of the shape the boundary was sized with (else refused), and
-        contiguous (c10d sends a contiguous buffer: a block may return a view, such as a channels-last permute of
-        its input; the copy costs one activation per micro-batch where it is one, nothing otherwise)."""
+        """``stage``'s output as its boundary sends it: of the shape and dtype the boundary was sized with (else
+        refused), and contiguous (c10d sends a contiguous buffer: a block may return a view, such as a channels-last
+        permute of its input; the copy costs one activation per micro-batch where it is one, nothing otherwise)."""
         expected = self._sends[stage]
         if not isinstance(out, Tensor) or out.shape != expected.shape or out.dtype != expected.dtype:
-            shape = f"{list(out.shape)}, {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+            if isinstance(out, Tensor) and out.shape == expected.shape:
+                got, carried = str(out.dtype), str(expected.dtype)  # a dtype the boundary was not sized with
+            else:
+                got = str(list(out.shape)) if isinstance(out, Tensor) else type(out).__name__
+                carried = str(list(expected.shape))
             last = f"{self.split.blocks_name}.{self.split.plan.blocks(stage).stop - 1}"
             why = (
                 " The network's forward could not run on meta tensors to show the shape and dtype at each boundary,"
@@ -350,10 +354,10 @@ class PipelineRunner:
                 else ""
             )
             raise HybridConfigError(
-                f"pipeline stage {stage} ends with `{last}`, whose output ({shape}) is not the"
-                f" {list(expected.shape)}, {expected.dtype} the stage boundary carries.{why} Give `pipeline_partition`"
-                " as a list of block counts that ends stages only where the hidden state has the shape and dtype"
-                " entering the first block, or train without pipeline parallel (`pipeline_parallel_size=1`)."
+                f"pipeline stage {stage} ends with `{last}`, whose output ({got}) is not the {carried} the stage"
+                f" boundary carries.{why} Give `pipeline_partition` as a list of block counts that ends stages only"
+                " where the hidden state has the shape and dtype entering the first block, or train without pipeline"
+                " parallel (`pipeline_parallel_size=1`)."
             )
         return out.contiguous()
 
