@@ -352,7 +352,7 @@ class NetworkSplit:
                 table[key] = original
 
     def _stage_swaps(self, stage: int) -> list[tuple[dict, str, nn.Module]]:
-        """Module swaps for ``stage``: other chunks on this rank (interleaved) pass through; off the first stage, the
+        """Module swaps for ``stage``: other chunks on this rank (interleaved) are stand-ins; off the first stage, the
         input modules (held here when the first stage lives on this rank too: v-shaped schedules) become stubs.
         Built once per stage."""
         children = module_children(self.blocks)
