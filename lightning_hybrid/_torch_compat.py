@@ -15,7 +15,8 @@ to write a style.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import Any, Optional
@@ -36,6 +37,7 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "dtensor_local_data",
     "extension_build_directory",
+    "fake_tensor_mode",
     "flight_recorder_dumper",
     "group_options",
     "inside_backward",
@@ -380,6 +382,30 @@ def device_constructors() -> set[Any]:
     from torch.utils._device import _device_constructors
 
     return set(_device_constructors())
+
+
+@contextmanager
+def fake_tensor_mode() -> Generator[None, None, None]:
+    """``torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)``: while active, tensors made are
+    fake, holding no memory and no values but reporting a real device, so that the device's autocast applies to them
+    (meta tensors take no autocast: a trace on them shows fp32 where a bf16-mixed step computes bf16); real tensors
+    the code reads (a module's plain tensor attribute) are taken as constants. The pipeline's trace of the unsplit
+    network uses it under autocast; an op whose meta kernel refuses its inputs is the trace's failure, expected
+    (``_grouped_mm`` wants bf16 there), so the mode's own error log of it is kept quiet meanwhile. Checked on torch
+    2.11 and 2.13. Public replacement: none (``torch._subclasses`` is what ``torch.export`` and ``torch.compile``
+    trace with)."""
+    import logging
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    logger = logging.getLogger(FakeTensorMode.__module__)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def storage_identity(t: Tensor) -> int:

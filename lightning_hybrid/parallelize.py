@@ -209,6 +209,9 @@ def parallelize(
     # 3b. expert parallel: the experts this rank holds, split over the expert-parallel ranks
     experts = _apply_expert_parallel(module, expert_mesh) if expert_mesh is not None else None
     _cast(module, layout, precision)
+    if cut is not None and precision.master_dtype is not None:
+        # the meta copy that sizes the stage boundaries computes in the dtype the cast module now does
+        cut[0].cast_unsplit(precision.compute_dtype, buffers=layout.zero_stage < 3)
     # 4. activation checkpointing
     if options.activation_checkpointing:
         from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing

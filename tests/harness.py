@@ -81,6 +81,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
 
         module = build_context_module(model, **kwargs)
     if module is None:
+        from tests.boundary_models import build_boundary_module
+
+        module = build_boundary_module(model, **kwargs)
+    if module is None:
         raise ValueError(model)
     return module
 
@@ -200,9 +204,12 @@ def trainer_kwargs(steps: int) -> dict[str, Any]:
     }
 
 
-def run_reference(scenario: dict[str, Any], module: L.LightningModule | None = None) -> dict[str, Any]:
+def run_reference(
+    scenario: dict[str, Any], module: L.LightningModule | None = None, plugins: list[Any] | None = None
+) -> dict[str, Any]:
     """Single process, single device: the ground truth for a scenario (of ``module`` if given, e.g. one that loaded
-    pretrained weights its own way)."""
+    pretrained weights its own way; ``plugins``: the Trainer's, e.g. fp16 autocast on CPU, which
+    ``precision="16-mixed"`` turns into bf16 there)."""
     torch.set_num_threads(max(1, int(os.environ.get("REFERENCE_THREADS", "1"))))
     # modules that parallelize themselves in configure_model: the same module without it
     model = {"nanogpt_user_tp": "nanogpt", "lightning_mp": "lightning_mp_single"}.get(
@@ -216,7 +223,7 @@ def run_reference(scenario: dict[str, Any], module: L.LightningModule | None = N
     loader = reference_loader(dataset, dp, scenario["batch_size"], epochs=-(-scenario["steps"] // per_epoch))
     recorder = Recorder()
     kwargs = {**trainer_kwargs(scenario["steps"]), **scenario.get("trainer", {})}
-    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[recorder], **kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[recorder], plugins=plugins, **kwargs)
     trainer.fit(module, train_dataloaders=loader)
     return {
         "losses": recorder.losses,

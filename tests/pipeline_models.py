@@ -17,11 +17,13 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
     ``wte`` and a second, untied vocabulary head ``aux_head`` registered after it, which the automatic
     tensor-parallel plan takes as the output head: the tied head stays whole while the embedding is split.
     ``nanogpt_rank_marker``: the nanoGPT example plus a persistent buffer that holds each rank's global rank, so two
-    ranks hold different values under one checkpoint key. Two whose forward does not fit the stage cut:
+    ranks hold different values under one checkpoint key. Three whose forward does not fit the stage cut:
     ``late_norm_gpt`` registers ``ln_f`` before the block list and calls it after, and gives no
     ``example_input_array`` (which would show the call order); ``positions_again_gpt`` reads the
-    position embedding's output again after the blocks (the last stage only has a zero stand-in for it, and every
-    structural check passes). ``wrapped_forward_gpt``: a module whose forward wraps its network call, and a network
+    position embedding's output again after the blocks (the last stage only has a zero stand-in for it: refused by the
+    trace's connections across the cut); ``scaled_between_gpt`` halves the hidden state after each block, in its own
+    forward (lost where a stage ends: only ``verify_pipeline``'s comparison sees it). ``wrapped_forward_gpt``: a
+    module whose forward wraps its network call, and a network
     whose forward wraps its block loop, in ``try/except Exception`` that re-raises the user's own ``RuntimeError``:
     the strategy's control flow (stopping at a stage boundary or after the call's inputs are captured) must pass
     through both. None for other names."""
@@ -97,6 +99,19 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
             super().__init__(**kwargs)
             self.model = PositionsAgainGPT(self.model.config)
 
+    class ScaledBetweenGPT(GPT):
+        def forward(self, idx: Tensor) -> Tensor:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+            for block in self.h:
+                x = block(x) * 0.5  # the forward's own change between two blocks: lost where a stage ends
+            return self.lm_head(self.ln_f(x))
+
+    class ScaledBetween(NanoGPT):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.model = ScaledBetweenGPT(self.model.config)
+
     class WrappingGPT(GPT):
         def forward(self, idx: Tensor) -> Tensor:
             pos = torch.arange(idx.shape[1], device=idx.device)
@@ -120,6 +135,6 @@ def build_pipeline_module(model: str, **kwargs: Any) -> L.LightningModule | None
                 raise RuntimeError("wrapped: the network failed") from error
 
     classes = {"posemb_gpt": PosEmbGPT, "nanogpt_tied_aux_head": TiedAuxHead, "nanogpt_rank_marker": RankMarker,
-               "late_norm_gpt": LateNorm, "positions_again_gpt": PositionsAgain,
+               "late_norm_gpt": LateNorm, "positions_again_gpt": PositionsAgain, "scaled_between_gpt": ScaledBetween,
                "wrapped_forward_gpt": WrappedForward}  # fmt: skip
     return classes[model](**kwargs) if model in classes else None

@@ -236,12 +236,15 @@ FOREIGN = [
     for m in (("litgpt_llama", "litgpt_pythia") if LITGPT else ())
 ]
 # forwards that do not fit the cut: refused before the first optimizer step on every rank, by the structural checks
-# of the first step alone (verify_pipeline off) and by verify_pipeline where every structural check passes
+# of the first step alone (verify_pipeline off), by the trace's connections across the cut, and by verify_pipeline
+# where every structural check passes
 MISFITS = [
     {**scenario("error-late-norm-pp2", "nanogpt", _pp(2, "1f1b", 2, verify_pipeline=False), 1, model_kwargs=LAYERS4,
                 expect_error=True), "model": "late_norm_gpt"},
     {**scenario("error-positions-again-pp2", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs=LAYERS4,
                 expect_error=True), "model": "positions_again_gpt"},
+    {**scenario("error-scaled-between-pp2", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs=LAYERS4,
+                expect_error=True), "model": "scaled_between_gpt"},
 ]  # fmt: skip
 WORLD2 += FOREIGN + MISFITS
 # a module and network that wrap their calls in `try/except Exception` (tests/pipeline_models.py): the strategy's own
@@ -565,6 +568,11 @@ def test_logged_values_travel_as_one_tensor_and_fall_back_when_the_names_change(
         ),
         (
             "error-positions-again-pp2",
+            r"the cut \[2, 2\] of `h` separates values the forward passes outside the hidden state from where they are"
+            r" read: the network's output \(stage 1\) is computed from the output of `wpe` \(an input module",
+        ),
+        (
+            "error-scaled-between-pp2",
             r"`verify_pipeline`: the pipelined first micro-batch does not match an unsplit forward.*loss .* gradient"
             r" norm .*tolerance 0\.0001",
         ),
@@ -572,8 +580,10 @@ def test_logged_values_travel_as_one_tensor_and_fall_back_when_the_names_change(
 )
 def test_a_forward_that_does_not_fit_the_cut_is_refused_before_any_step(pipeline_groups, name: str, match: str) -> None:
     """A module registered before the block list but called after it (the first stage holds it, the last ran a zero
-    stand-in), and an input module's output read again after the blocks (every structural check passes; only the
-    unsplit comparison sees it): both trained wrong without a word before; now every rank raises the same error."""
+    stand-in); an input module's output read again after the blocks (every check of the first step passed, and only
+    the unsplit comparison saw it, until the trace's connections across the cut); a hidden state scaled by the
+    forward between two blocks, where a stage ends (the next stage takes the block's output unscaled: only the
+    unsplit comparison sees it). All trained wrong without a word before; now every rank raises the same error."""
     group = pipeline_groups(2)
     messages = group.expected_errors(name)
     assert len(messages) == 2 and len(set(messages)) == 1, f"{messages}\n{group.log[-3000:]}"

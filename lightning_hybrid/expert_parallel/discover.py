@@ -49,6 +49,22 @@ def _looks_like_experts(module: nn.Module, name: str) -> bool:
     return "expert" in type(module).__name__.lower() or (isinstance(module, nn.ModuleList) and "expert" in leaf)
 
 
+def _stacked_rows(module: nn.Module) -> str:
+    """The reason for DBRX's form, where it is one: every expert's rows stacked in the first dimension of 2-D
+    matrices inside a child module (``mlp.w1``: experts x ffn rows, hidden columns), which the module's own loop views
+    per expert; else ``""``."""
+    count = next((v for a in EXPERT_COUNT_ATTRIBUTES if isinstance(v := getattr(module, a, None), int)), 0)
+    stacked = [
+        n for n, p in module.named_parameters() if "." in n and p.dim() == 2 and count > 1 and p.shape[0] % count == 0
+    ]
+    if not stacked:
+        return ""
+    return (
+        f"its expert weights ({', '.join(stacked[:3])}) are 2-D matrices stacking every expert's rows in a child module"
+        " (DBRX's form), not tensors whose first dimension is the expert"
+    )
+
+
 def find_expert_modules(module: nn.Module) -> tuple[list[ExpertModule], dict[str, str]]:
     """The experts modules of ``module`` that can be dispatched, and those that look like experts but cannot (name:
     why).
@@ -79,7 +95,9 @@ def find_expert_modules(module: nn.Module) -> tuple[list[ExpertModule], dict[str
                     " block's code, so tokens cannot be sent to experts on other ranks"
                 )
             elif not packed:
-                why = "it holds no packed expert weights (a tensor whose first dimension is the expert)"
+                why = _stacked_rows(sub) or (
+                    "it holds no packed expert weights (a tensor whose first dimension is the expert)"
+                )
             elif len(leading) != 1:
                 why = f"its weights do not share one expert dimension (leading sizes {sorted(leading)})"
             else:

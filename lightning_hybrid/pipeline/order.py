@@ -15,17 +15,30 @@ stage those called after it (final norm, head). Registration order is not call o
    pipeline/verify.py.
 
 A module the forward calls on both sides of the blocks (or between them) is given to no stage: every stage keeps it,
-as it keeps a bare ``nn.Parameter``, and their gradients are summed (pipeline/shared.py).
+as it keeps a bare ``nn.Parameter``, and their gradients are summed (pipeline/shared.py). :func:`io_slots` turns the
+order into the input and output modules of the cut; :func:`check_one_block_list` refuses a second block list.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["BEFORE", "AFTER", "BOTH", "declared_order", "observed_order"]
+from lightning_hybrid.config import HybridConfigError
+
+__all__ = [
+    "AFTER",
+    "BEFORE",
+    "BOTH",
+    "call_order",
+    "check_one_block_list",
+    "declared_order",
+    "io_slots",
+    "observed_order",
+]
 
 BEFORE, AFTER, BOTH = "before", "after", "both"
 Order = dict[str, str]
@@ -143,3 +156,117 @@ def _resolves(network: nn.Module, name: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+@dataclass
+class _Slot:
+    parent: nn.Module
+    attr: str
+    module: nn.Module
+
+
+def io_slots(
+    network: nn.Module, blocks_rel: str, order: Optional[dict[str, str]] = None
+) -> tuple[list[_Slot], list[_Slot]]:
+    """Modules with parameters outside the blocks: inputs (the first stage holds them) and outputs (the last stage).
+
+    ``order`` (pipeline/order.py: the side of the block list on which the forward calls each module, observed or
+    declared) decides: a module called before the blocks is an input, one called after them an output, one called
+    on both sides or between blocks is no slot (every stage keeps it, and its gradients are summed like a bare
+    parameter's). Where ``order`` does not know a module, registration order stands in for call order: a module
+    registered before the block list is an input, one registered after it an output; the vocabulary head is an output
+    wherever it is registered (it maps the blocks' hidden state onto the token embedding's vocabulary; litgpt's
+    ``GPT`` registers ``lm_head`` first). A module whose call order differs from that is caught by the checks of
+    the first step (pipeline/verify.py), which refuse the cut instead of training it wrong."""
+    from lightning_hybrid.structure import embedding_and_head
+
+    outside = [(n, m) for n, m in network.named_modules() if n != blocks_rel and not n.startswith(blocks_rel + ".")]
+    found = embedding_and_head(outside)[1]
+    head = found[0] if found is not None else None
+    inputs: list[_Slot] = []
+    outputs: list[_Slot] = []
+    taken: list[str] = []
+    seen_blocks = False
+    for name, module in network.named_modules():
+        if name == blocks_rel:
+            seen_blocks = True
+            continue
+        if not name or name.startswith(blocks_rel + ".") or blocks_rel.startswith(name + "."):
+            continue
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        # a parent already taken as a slot (or kept on every stage) covers this module
+        if any(name.startswith(t + ".") for t in taken):
+            continue
+        taken.append(name)
+        parent_name, _, attr = name.rpartition(".")
+        parent = network.get_submodule(parent_name) if parent_name else network
+        side = _side(order, name) if order else None
+        if side is None:
+            side = AFTER if seen_blocks or name == head else BEFORE
+        if side == BEFORE:
+            inputs.append(_Slot(parent, attr, module))
+        elif side == AFTER:
+            outputs.append(_Slot(parent, attr, module))
+    return inputs, outputs
+
+
+def _side(order: dict[str, str], name: str) -> Optional[str]:
+    """The side of the block list on which ``name`` or the modules inside it are called (BOTH where they differ), or
+    None where ``order`` knows none of them."""
+    sides = {side for n, side in order.items() if n == name or n.startswith(name + ".")}
+    if not sides:
+        return None
+    return sides.pop() if len(sides) == 1 else BOTH
+
+
+def call_order(network: nn.Module, blocks_rel: str, root: Optional[nn.Module] = None) -> dict[str, str]:
+    """The side of the block list on which the forward calls the modules outside it (pipeline/order.py): observed in
+    a meta forward of ``root``'s ``example_input_array`` where it has one, else declared by a Hugging Face pipeline
+    plan; empty where neither tells (registration order then stands in).
+
+    Example:
+        >>> # call_order(opt_for_causal_lm, "model.decoder.layers", lightning_module)["model.decoder.final_layer_norm"]
+        >>> # 'after'
+    """
+    return _call_order(network, blocks_rel, root)[0]
+
+
+def _call_order(network: nn.Module, blocks_rel: str, root: Optional[nn.Module]) -> tuple[dict[str, str], str]:
+    """:func:`call_order`, and how the modules it does not know are placed, for the errors of the first step."""
+    declared = declared_order(network, blocks_rel)
+    order = dict(declared or {})
+    example = getattr(root, "example_input_array", None) if root is not None else None
+    observed = observed_order(root, network, blocks_rel, example) if root is not None else None
+    if observed:
+        # what was seen to run overrides what was declared about the same modules
+        order = {k: v for k, v in order.items() if not any(n == k or n.startswith(k + ".") for n in observed)}
+        order.update(observed)
+        return order, "modules the forward did not call on `example_input_array` are placed by registration order"
+    if example is not None:
+        why = "the forward on `example_input_array` could not run on meta tensors (it reads values)"
+    else:
+        why = "the LightningModule has no `example_input_array` to show the forward's call order"
+    if declared:
+        return order, f"{why}; modules its Hugging Face pipeline plan (`_pp_plan`) does not name are placed by" + (
+            " registration order"
+        )
+    return order, f"{why}, so modules are placed by registration order"
+
+
+def check_one_block_list(network: nn.Module, blocks_rel: str) -> None:
+    """Refuse a network with another block list beside the one the pipeline cuts (an encoder-decoder's encoder and
+    decoder): the stages would cut only one, and the other's output, read by every block of the cut one, would be a
+    zero stand-in on the stages that do not hold it."""
+    from lightning_hybrid.structure import other_block_lists
+
+    others = other_block_lists(network, blocks_rel)
+    if others:
+        name = type(network).__name__
+        lists = ", ".join(f"`{n}`" for n in [*others, blocks_rel])
+        raise HybridConfigError(
+            f"`pipeline_parallel_size` > 1: {name} has several block lists ({lists}), as an encoder-decoder has;"
+            f" the pipeline cuts one block list (`{blocks_rel}`) and cannot run the others in sequence with it."
+            " Train this model without pipeline parallel (`pipeline_parallel_size=1`); tensor parallel, data"
+            " parallel and ZeRO need no cut."
+        )

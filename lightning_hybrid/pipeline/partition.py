@@ -30,6 +30,15 @@ class StagePlan:
         start = sum(self.counts[:stage])
         return range(start, start + self.counts[stage])
 
+    def stage_of(self, block: int) -> int:
+        """The stage that holds ``block``."""
+        start = 0
+        for stage, count in enumerate(self.counts):
+            start += count
+            if block < start:
+                return stage
+        raise IndexError(f"block {block} is past the {start} blocks of the plan")
+
     def stages_of(self, pipeline_rank: int) -> list[int]:
         return [s for s, r in enumerate(self.owner) if r == pipeline_rank]
 

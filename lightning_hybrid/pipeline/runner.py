@@ -39,7 +39,7 @@ from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.metrics import MetricMirror
-from lightning_hybrid.pipeline.boundaries import trace_unsplit_forward
+from lightning_hybrid.pipeline.boundaries import TensorSpec, UnsplitForward, trace_unsplit_forward
 from lightning_hybrid.pipeline.logged import LogCollector, log_dtype, merge_records, scalar_means
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
@@ -85,7 +85,7 @@ class PipelineRunner:
         # the last stage reruns the user's step: it needs the captured inputs of micro-batch 0 only (schedule key)
         self._capture_all = any(s != self.last_stage for s in self.stages)
         self._split_backward = schedule in SPLIT_BACKWARD
-        self._cache: dict[tuple, tuple[Any, dict[int, Tensor], Optional[frozenset[str]]]] = {}
+        self._cache: dict[tuple, tuple[Any, dict[int, Tensor], Optional[UnsplitForward]]] = {}
         self._param_tables: Optional[list[dict[str, Optional[nn.Parameter]]]] = None
         self._schema: Optional[list[tuple[str, tuple, dict]]] = None
         """Names, args and kwargs of the last training step's logged records when all were scalars: the next step's
@@ -336,24 +336,28 @@ class PipelineRunner:
             step.active = None
 
     def _sendable(self, stage: int, out: Any) -> Any:
-        """``stage``'s output as its boundary sends it: of the shape the boundary was sized with (else refused), and
-        contiguous (c10d sends a contiguous buffer: a block may return a view, such as a channels-last permute of
-        its input; the copy costs one activation per micro-batch where it is one, nothing otherwise)."""
+        """``stage``'s output as its boundary sends it: of the shape and dtype the boundary was sized with (else
+        refused), and contiguous (c10d sends a contiguous buffer: a block may return a view, such as a channels-last
+        permute of its input; the copy costs one activation per micro-batch where it is one, nothing otherwise)."""
         expected = self._sends[stage]
-        if not isinstance(out, Tensor) or out.shape != expected.shape:
-            shape = list(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        if not isinstance(out, Tensor) or out.shape != expected.shape or out.dtype != expected.dtype:
+            if isinstance(out, Tensor) and out.shape == expected.shape:
+                got, carried = str(out.dtype), str(expected.dtype)  # a dtype the boundary was not sized with
+            else:
+                got = str(list(out.shape)) if isinstance(out, Tensor) else type(out).__name__
+                carried = str(list(expected.shape))
             last = f"{self.split.blocks_name}.{self.split.plan.blocks(stage).stop - 1}"
             why = (
-                " The network's forward could not run on meta tensors to show the shape at each boundary, so each was"
-                " sized as the hidden state entering the first block: this block list changes it."
+                " The network's forward could not run on meta tensors to show the shape and dtype at each boundary,"
+                " so each was sized as the hidden state entering the first block: this block list changes it."
                 if self._differentiated is None
                 else ""
             )
             raise HybridConfigError(
-                f"pipeline stage {stage} ends with `{last}`, whose output ({shape}) is not the {list(expected.shape)}"
-                f" the stage boundary carries.{why} Give `pipeline_partition` as a list of block counts that ends"
-                " stages only where the hidden state has the shape entering the first block, or train without"
-                " pipeline parallel (`pipeline_parallel_size=1`)."
+                f"pipeline stage {stage} ends with `{last}`, whose output ({got}) is not the {carried} the stage"
+                f" boundary carries.{why} Give `pipeline_partition` as a list of block counts that ends stages only"
+                " where the hidden state has the shape and dtype entering the first block, or train without pipeline"
+                " parallel (`pipeline_parallel_size=1`)."
             )
         return out.contiguous()
 
@@ -378,31 +382,38 @@ class PipelineRunner:
             raise HybridConfigError("Could not find the hidden state entering the block list for pipeline parallel.")
         return found[1]
 
-    def _boundaries(self, captured: tuple[tuple, dict]) -> tuple[list[Tensor], Optional[frozenset[str]]]:
-        """Zeros shaped as the hidden state entering each stage (torch's stages size their buffers by them), from a
-        forward of the unsplit network's meta copy (pipeline/boundaries.py; blocks may change the shape), and the
-        parameters that forward differentiates. Where it cannot run: every boundary sized as the hidden state
-        entering the first block, and None."""
+    def _boundaries(self, captured: tuple[tuple, dict]) -> tuple[list[Tensor], Optional[UnsplitForward]]:
+        """Zeros of the shape and dtype each stage receives (torch's stages size their buffers by them), from a
+        forward of the unsplit network's meta copy under the step's autocast (pipeline/boundaries.py; blocks may
+        change the shape and the dtype), and that forward. Where it cannot run: every boundary sized as the hidden
+        state entering the first block, and None."""
         hidden = self._first_block_input(captured)
         split = self.split
         trace = None
         if split.unsplit is not None:
-            trace = trace_unsplit_forward(split.unsplit, split.blocks_name, *captured, training=self.network.training)
+            trace = trace_unsplit_forward(
+                split.unsplit, split.blocks_name, *captured, training=self.network.training,
+                inputs=split.input_names, device=self.device,
+            )  # fmt: skip
         if trace is None:
-            shapes = [tuple(hidden.shape)] * split.num_stages
+            specs = [TensorSpec(tuple(hidden.shape), hidden.dtype)] * split.num_stages
         else:
-            shapes = trace.stage_inputs(split.plan, split.blocks_name)
-        examples = [torch.zeros(self.activation_shape(s), dtype=hidden.dtype, device=self.device) for s in shapes]
-        return examples, trace.used if trace is not None else None
+            specs = trace.stage_inputs(split.plan, split.blocks_name)
+        examples = [torch.zeros(self.activation_shape(s.shape), dtype=s.dtype, device=self.device) for s in specs]
+        return examples, trace
 
     def _schedule(self, training: bool, m: int, captured: tuple[tuple, dict]) -> Any:
         # keyed by the network inputs' shapes, so the boundaries are found again only when they change
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors_in(captured))
         key = (training, m, shapes, torch.is_autocast_enabled(self.device.type))
         if key in self._cache:
-            schedule, self._sends, self._differentiated = self._cache[key]
+            schedule, self._sends, trace = self._cache[key]
+            self._differentiated = trace.used if trace is not None else None
+            self.split.learn(trace)  # what the stand-ins for other stages' blocks return, for these inputs
             return schedule
-        entering, self._differentiated = self._boundaries(captured)
+        entering, trace = self._boundaries(captured)
+        self._differentiated = trace.used if trace is not None else None
+        self.split.learn(trace)
         self._sends = {s: entering[s + 1] for s in self.stages if s != self.last_stage}
         from torch.distributed import pipelining
 
@@ -428,7 +439,7 @@ class PipelineRunner:
             schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
         else:
             schedule = cls(stages[0], m, loss_fn=loss_fn, scale_grads=False)
-        self._cache[key] = (schedule, self._sends, self._differentiated)
+        self._cache[key] = (schedule, self._sends, trace)
         return schedule
 
     # ------------------------------------------------------------------ results

@@ -2,7 +2,8 @@
 
 A stage runs the network's own ``forward`` with three changes made through module swaps and hooks:
 
-* blocks held by other stages are replaced by a pass-through (:class:`SkippedBlock`), so the block loop is unchanged;
+* blocks held by other stages are replaced by a stand-in (:class:`SkippedBlock`) that returns what the block returns
+  (its structure, zeros of its shapes; tuples included), so the block loop is unchanged;
 * on a stage that is not the first, the input modules (embeddings) are replaced by stubs that only produce a tensor
   of the right shape, and the first block of the stage receives the activation sent by the previous stage instead;
 * on a stage that is not the last, the forward stops right after the stage's last block (:class:`StageBoundary`).
@@ -26,7 +27,17 @@ from torch.distributed.tensor import DTensor
 from lightning_hybrid._hooks import first_tensor, map_first_input, tensors_in
 from lightning_hybrid._torch_compat import module_children
 from lightning_hybrid.config import HybridConfigError
-from lightning_hybrid.pipeline.boundaries import contiguous_gradient, map_tensors, meta_copy, to_meta
+from lightning_hybrid.pipeline.boundaries import (
+    UnsplitForward,
+    build_output,
+    contiguous_gradient,
+    map_tensors,
+    meta_copy,
+    template_of,
+    to_meta,
+)
+from lightning_hybrid.pipeline.connections import hidden_output
+from lightning_hybrid.pipeline.order import _call_order, _Slot, call_order, check_one_block_list, io_slots
 from lightning_hybrid.pipeline.partition import StagePlan
 
 if TYPE_CHECKING:
@@ -70,20 +81,63 @@ class _ReadsAttributesOf(nn.Module):
 
 
 class SkippedBlock(_ReadsAttributesOf):
-    """A block that another stage holds: returns its hidden-state input unchanged (no parameters, no compute).
+    """A block that another stage holds: returns what the block returns, without parameters or compute.
+
+    The network's forward runs the stand-ins of the blocks before a stage's first one (on values that the received
+    activation then replaces) and unpacks, indexes and reads what they return as it does the block's own output: a
+    decoder layer's ``(hidden, attn_weights)``, a vision stage's ``(hidden, (height, width))`` whose sizes the forward
+    hands to the next stage. So the stand-in returns the block's output as the unsplit network's trace recorded it
+    for the step's inputs (``templates``, shared with the split: pipeline/boundaries.py), zeros for its tensors and
+    its hidden-state input in place of the hidden state where shape and dtype agree; where the trace is not known
+    (the network's forward reads values), from a forward of the block's meta copy on meta copies of its inputs;
+    where that cannot run either, its hidden-state input alone.
 
     ``module``: the block it replaces, whose attributes stay readable; a block another rank holds is kept as a meta
     copy (``held=False``), one this rank holds (another local stage's) as itself."""
 
-    def __init__(self, module: Optional[nn.Module] = None, *, held: bool = False) -> None:
+    def __init__(
+        self,
+        module: Optional[nn.Module] = None,
+        *,
+        held: bool = False,
+        index: int = -1,
+        templates: Optional[dict[int, Any]] = None,
+    ) -> None:
         super().__init__()
         self.__dict__["_shadow"] = module if held or module is None else meta_copy(module)
+        self.__dict__["_held"] = held
+        self.__dict__["_index"] = index
+        self.__dict__["_templates"] = templates if templates is not None else {}
+        self.__dict__["_meta_outputs"] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         found = first_tensor(args, kwargs)
         if found is None:
             raise HybridConfigError("A skipped pipeline block found no hidden-state tensor among its inputs.")
-        return found[1]
+        hidden = found[1]
+        template = self.__dict__["_templates"].get(self.__dict__["_index"])
+        if template is None and not self.__dict__["_held"]:
+            template = self._meta_template(args, kwargs)
+        return hidden if template is None else build_output(template, hidden.device, hidden)
+
+    def _meta_template(self, args: tuple, kwargs: dict) -> Any:
+        """What the block's meta copy returns on meta copies of ``args`` (cached per input signature), as a
+        template; None where it cannot run on meta tensors."""
+        shadow = self.__dict__["_shadow"]
+        if shadow is None:
+            return None
+        key = _signature((args, kwargs))
+        cache = self.__dict__["_meta_outputs"]
+        if key is None or key not in cache:
+            try:
+                with torch.no_grad():
+                    made = template_of(shadow(*to_meta(args), **to_meta(kwargs)))
+            except Exception:  # a block that reads values cannot run on meta tensors
+                made = None
+            if key is None:
+                return made
+            cache[key] = made
+        return cache[key]
 
 
 class InputStub(_ReadsAttributesOf):
@@ -208,13 +262,6 @@ class OutputStub(nn.Module):
 
 
 @dataclass
-class _Slot:
-    parent: nn.Module
-    attr: str
-    module: nn.Module
-
-
-@dataclass
 class NetworkSplit:
     """This rank's share of the network: real blocks for its stages, stubs elsewhere."""
 
@@ -232,12 +279,47 @@ class NetworkSplit:
     """A copy of the network taken before the cut, its parameters and buffers on the meta device: its forward shows
     the shape crossing each stage boundary and the parameters one device differentiates (pipeline/boundaries.py).
     None where it could not be copied, or holds tensor-parallel parameters already."""
+    input_names: tuple[str, ...] = ()
+    """The input modules (names relative to the network), held by the first stage, stand-ins elsewhere: what a later
+    stage reads of their output is refused (pipeline/connections.py)."""
+    templates: dict[int, Any] = field(default_factory=dict)
+    """What each block returns for the schedule's current inputs (pipeline/boundaries.py ``UnsplitForward.outputs``),
+    shared with the stand-ins for other stages' blocks (:class:`SkippedBlock`), which return it."""
+    entry_dtypes: dict[int, torch.dtype] = field(default_factory=dict)
+    """Per stage, the dtype its first block takes where the forward casts the hidden state between the previous
+    stage's last block and it: the received activation is cast to it."""
     # what `active` needs per stage, built on first use (a forward action is per micro-batch: keep it cheap)
     _swaps: dict[int, list[tuple[dict, str, nn.Module]]] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_stages(self) -> int:
         return len(self.plan.counts)
+
+    def cast_unsplit(self, dtype: torch.dtype, buffers: bool) -> None:
+        """Give the meta copy's floating parameters (and, with ``buffers``, buffers) ``dtype``, as a '-true' precision
+        casts the module (ZeRO-3's FSDP2 casts parameters only, for compute), so that the trace shows the dtypes the
+        step computes in."""
+        if self.unsplit is None:
+            return
+        if buffers:
+            self.unsplit.to(dtype=dtype)
+            return
+        for p in self.unsplit.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+
+    def learn(self, trace: Optional[UnsplitForward]) -> None:
+        """Take what the unsplit network's trace for the schedule's inputs shows (None: not known): what each block
+        returns, for the stand-ins, and the dtype each stage's first block takes."""
+        self.templates.clear()
+        self.entry_dtypes.clear()
+        if trace is None:
+            return
+        self.templates.update(enumerate(trace.outputs))
+        for stage in range(1, self.num_stages):
+            first = self.plan.blocks(stage).start
+            if trace.entering[first].dtype != trace.leaving[first - 1].dtype:
+                self.entry_dtypes[stage] = trace.entering[first].dtype
 
     def local_stages(self) -> list[int]:
         return self.plan.stages_of(self.pipeline_rank)
@@ -270,11 +352,12 @@ class NetworkSplit:
                 table[key] = original
 
     def _stage_swaps(self, stage: int) -> list[tuple[dict, str, nn.Module]]:
-        """Module swaps for ``stage``: other chunks on this rank (interleaved) pass through; off the first stage, the
+        """Module swaps for ``stage``: other chunks on this rank (interleaved) are stand-ins; off the first stage, the
         input modules (held here when the first stage lives on this rank too: v-shaped schedules) become stubs.
         Built once per stage."""
+        children = module_children(self.blocks)
         swaps: list[tuple[dict, str, nn.Module]] = [
-            (module_children(self.blocks), str(i), SkippedBlock(module_children(self.blocks)[str(i)], held=True))
+            (children, str(i), SkippedBlock(children[str(i)], held=True, index=i, templates=self.templates))
             for s in self.local_stages()
             if s != stage
             for i in self.plan.blocks(s)
@@ -300,7 +383,7 @@ class NetworkSplit:
         for stage in self.local_stages():
             own = self.plan.blocks(stage)
             if stage != 0:
-                receive = _receiver(step, stage, split_backward)
+                receive = _receiver(step, stage, split_backward, self.entry_dtypes.get(stage))
                 handles.append(blocks[str(own.start)].register_forward_pre_hook(receive, with_kwargs=True))
             if stage != self.num_stages - 1:
                 handles.append(blocks[str(own.stop - 1)].register_forward_hook(_stopper(step, stage)))
@@ -311,11 +394,15 @@ class NetworkSplit:
                 handle.remove()
 
 
-def _receiver(step: StepContext, stage: int, split_backward: bool) -> Callable:
-    if split_backward:
-        substitute = map_first_input(lambda _: contiguous_gradient(step.active[1]))  # type: ignore[index, arg-type]
-    else:
-        substitute = map_first_input(lambda _: step.active[1])  # type: ignore[index, return-value]
+def _receiver(step: StepContext, stage: int, split_backward: bool, dtype: Optional[torch.dtype] = None) -> Callable:
+    def received(_: torch.Tensor) -> torch.Tensor:
+        tensor: torch.Tensor = step.active[1]  # type: ignore[index]
+        tensor = contiguous_gradient(tensor) if split_backward else tensor
+        # where the forward casts the hidden state between the two stages' blocks: the cast, in autograd (its
+        # gradient is cast back to the dtype the previous stage sent)
+        return tensor if dtype is None else tensor.to(dtype)
+
+    substitute = map_first_input(received)
 
     def receive(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         active = step.active
@@ -334,120 +421,7 @@ def _stopper(step: StepContext, stage: int) -> Callable:
 
 
 def _raise_boundary(module: nn.Module, args: Any, output: Any) -> None:
-    tensor = output if isinstance(output, torch.Tensor) else output[0]
-    raise StageBoundary(tensor)
-
-
-def io_slots(
-    network: nn.Module, blocks_rel: str, order: Optional[dict[str, str]] = None
-) -> tuple[list[_Slot], list[_Slot]]:
-    """Modules with parameters outside the blocks: inputs (the first stage holds them) and outputs (the last stage).
-
-    ``order`` (pipeline/order.py: the side of the block list on which the forward calls each module, observed or
-    declared) decides: a module called before the blocks is an input, one called after them an output, one called
-    on both sides or between blocks is no slot (every stage keeps it, and its gradients are summed like a bare
-    parameter's). Where ``order`` does not know a module, registration order stands in for call order: a module
-    registered before the block list is an input, one registered after it an output; the vocabulary head is an output
-    wherever it is registered (it maps the blocks' hidden state onto the token embedding's vocabulary; litgpt's
-    ``GPT`` registers ``lm_head`` first). A module whose call order differs from that is caught by the checks of
-    the first step (pipeline/verify.py), which refuse the cut instead of training it wrong."""
-    from lightning_hybrid.pipeline.order import AFTER, BEFORE
-    from lightning_hybrid.structure import embedding_and_head
-
-    outside = [(n, m) for n, m in network.named_modules() if n != blocks_rel and not n.startswith(blocks_rel + ".")]
-    found = embedding_and_head(outside)[1]
-    head = found[0] if found is not None else None
-    inputs: list[_Slot] = []
-    outputs: list[_Slot] = []
-    taken: list[str] = []
-    seen_blocks = False
-    for name, module in network.named_modules():
-        if name == blocks_rel:
-            seen_blocks = True
-            continue
-        if not name or name.startswith(blocks_rel + ".") or blocks_rel.startswith(name + "."):
-            continue
-        if not any(True for _ in module.parameters(recurse=False)):
-            continue
-        # a parent already taken as a slot (or kept on every stage) covers this module
-        if any(name.startswith(t + ".") for t in taken):
-            continue
-        taken.append(name)
-        parent_name, _, attr = name.rpartition(".")
-        parent = network.get_submodule(parent_name) if parent_name else network
-        side = _side(order, name) if order else None
-        if side is None:
-            side = AFTER if seen_blocks or name == head else BEFORE
-        if side == BEFORE:
-            inputs.append(_Slot(parent, attr, module))
-        elif side == AFTER:
-            outputs.append(_Slot(parent, attr, module))
-    return inputs, outputs
-
-
-def _side(order: dict[str, str], name: str) -> Optional[str]:
-    """The side of the block list on which ``name`` or the modules inside it are called (BOTH where they differ), or
-    None where ``order`` knows none of them."""
-    from lightning_hybrid.pipeline.order import BOTH
-
-    sides = {side for n, side in order.items() if n == name or n.startswith(name + ".")}
-    if not sides:
-        return None
-    return sides.pop() if len(sides) == 1 else BOTH
-
-
-def call_order(network: nn.Module, blocks_rel: str, root: Optional[nn.Module] = None) -> dict[str, str]:
-    """The side of the block list on which the forward calls the modules outside it (pipeline/order.py): observed in
-    a meta forward of ``root``'s ``example_input_array`` where it has one, else declared by a Hugging Face pipeline
-    plan; empty where neither tells (registration order then stands in).
-
-    Example:
-        >>> # call_order(opt_for_causal_lm, "model.decoder.layers", lightning_module)["model.decoder.final_layer_norm"]
-        >>> # 'after'
-    """
-    return _call_order(network, blocks_rel, root)[0]
-
-
-def _call_order(network: nn.Module, blocks_rel: str, root: Optional[nn.Module]) -> tuple[dict[str, str], str]:
-    """:func:`call_order`, and how the modules it does not know are placed, for the errors of the first step."""
-    from lightning_hybrid.pipeline.order import declared_order, observed_order
-
-    declared = declared_order(network, blocks_rel)
-    order = dict(declared or {})
-    example = getattr(root, "example_input_array", None) if root is not None else None
-    observed = observed_order(root, network, blocks_rel, example) if root is not None else None
-    if observed:
-        # what was seen to run overrides what was declared about the same modules
-        order = {k: v for k, v in order.items() if not any(n == k or n.startswith(k + ".") for n in observed)}
-        order.update(observed)
-        return order, "modules the forward did not call on `example_input_array` are placed by registration order"
-    if example is not None:
-        why = "the forward on `example_input_array` could not run on meta tensors (it reads values)"
-    else:
-        why = "the LightningModule has no `example_input_array` to show the forward's call order"
-    if declared:
-        return order, f"{why}; modules its Hugging Face pipeline plan (`_pp_plan`) does not name are placed by" + (
-            " registration order"
-        )
-    return order, f"{why}, so modules are placed by registration order"
-
-
-def check_one_block_list(network: nn.Module, blocks_rel: str) -> None:
-    """Refuse a network with another block list beside the one the pipeline cuts (an encoder-decoder's encoder and
-    decoder): the stages would cut only one, and the other's output, read by every block of the cut one, would be a
-    zero stand-in on the stages that do not hold it."""
-    from lightning_hybrid.structure import other_block_lists
-
-    others = other_block_lists(network, blocks_rel)
-    if others:
-        name = type(network).__name__
-        lists = ", ".join(f"`{n}`" for n in [*others, blocks_rel])
-        raise HybridConfigError(
-            f"`pipeline_parallel_size` > 1: {name} has several block lists ({lists}), as an encoder-decoder has;"
-            f" the pipeline cuts one block list (`{blocks_rel}`) and cannot run the others in sequence with it."
-            " Train this model without pipeline parallel (`pipeline_parallel_size=1`); tensor parallel, data"
-            " parallel and ZeRO need no cut."
-        )
+    raise StageBoundary(hidden_output(output))  # type: ignore[arg-type]
 
 
 def split_network(
@@ -476,14 +450,17 @@ def split_network(
     # a copy already split over tensor parallel (the user's configure_model) would run its collectives on meta
     tensor_parallel = any(isinstance(p, DTensor) for p in network.parameters())
     unsplit = None if tensor_parallel else meta_copy(network, keep)
+    names = {id(m): n for n, m in network.named_modules()}
     split = NetworkSplit(
-        network, blocks, plan, pipeline_rank, inputs, outputs, placed=placed, blocks_name=blocks_rel, unsplit=unsplit
-    )
+        network, blocks, plan, pipeline_rank, inputs, outputs, placed=placed, blocks_name=blocks_rel, unsplit=unsplit,
+        input_names=tuple(names[id(slot.module)] for slot in inputs),
+    )  # fmt: skip
     mine = split.local_stages()
     held = {i for s in mine for i in plan.blocks(s)}
+    children = module_children(blocks)
     for i in range(len(blocks)):
         if i not in held:
-            module_children(blocks)[str(i)] = SkippedBlock(module_children(blocks)[str(i)])
+            children[str(i)] = SkippedBlock(children[str(i)], index=i, templates=split.templates)
     if 0 not in mine:
         for slot in inputs:
             setattr(slot.parent, slot.attr, InputStub(slot.module))

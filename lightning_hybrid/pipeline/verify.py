@@ -292,9 +292,18 @@ class FirstStepChecks:
         elif isinstance(error, HybridConfigError):  # the strategy's own finding (a boundary's shape): said in full
             self.failures.append(f"{error}")
         elif not self.errors:
+            # without the trace, a stand-in for another stage's block returns what the block's meta copy returns, or
+            # its hidden-state input alone: a forward that unpacks or indexes a block's output fails on it
+            why = (
+                "it reads a module or attribute that another stage holds, or unpacks what a block returns: the"
+                " network's forward could not run on meta tensors (it reads values), so what each block returns was"
+                " not known to the stand-ins for other stages' blocks"
+                if self.differentiated is None
+                else "it reads a module or attribute that another stage holds?"
+            )
             self.failures.append(
                 f"pipeline stage {stage}: the network's forward failed on this stage with {type(error).__name__}:"
-                f" {error} (it reads a module or attribute that another stage holds?)."
+                f" {error} ({why})."
             )
         self.errors.append(error)
 

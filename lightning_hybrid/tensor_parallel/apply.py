@@ -85,12 +85,14 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
             if isinstance(value, int) and value % tp:
                 problems.append(f"{name}.{attr}={value}")
         problems += [f"{name}.config.{a}={v}" for a, v in config_head_counts(module).items() if v % tp]
-    # Hugging Face attention reads head counts from the model config, not from module attributes
+    # Hugging Face attention reads head counts from the model config, not from module attributes; a plan that splits
+    # no attention (the MLP alone, the fix for a multi-query fused q|k|v) does not divide them
     configs = {id(c): c for m in root.modules() if (c := getattr(m, "config", None)) is not None}.values()
+    splits_attention = any(_attention_like(root, name, plan) for name in plan.sharded_region_modules)
     for config in configs:
         for attr in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(config, attr, None)
-            if isinstance(value, int) and plan.sharded_region_modules and value % tp:
+            if isinstance(value, int) and splits_attention and value % tp:
                 problems.append(f"config.{attr}={value}")
     if problems:
         raise HybridConfigError(
@@ -98,6 +100,14 @@ def validate_tensor_parallel_plan(root: nn.Module, plan: TensorParallelPlan, tp:
             f"{' ...' if len(problems) > 6 else ''}. Choose a tensor_parallel_size that divides the number of heads,"
             " the hidden/FFN sizes and the vocabulary (pad the vocabulary to a multiple of it)."
         )
+
+
+def _attention_like(root: nn.Module, name: str, plan: TensorParallelPlan) -> bool:
+    """Whether the split region ``name`` is an attention module: one with head counts, or named so (its attribute
+    or class: transformers' ``self_attn``/``LlamaAttention``, whose counts are in the model config)."""
+    kind = type(root.get_submodule(name)).__name__.lower()
+    leaf = name.rsplit(".", 1)[-1].lower()
+    return name in plan.attention_modules or "attention" in kind or "attn" in leaf or "attention" in leaf
 
 
 def _grouped_query_counts(root: nn.Module, name: str, style: FusedColwiseParallel) -> str:

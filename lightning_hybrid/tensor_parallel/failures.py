@@ -20,6 +20,9 @@ from lightning_hybrid.tensor_parallel.plan import TensorParallelPlan
 
 __all__ = ["explain_forward_failure", "explain_logits_failure"]
 
+_IN_PLACE_ON_VIEW = "is a view and is being modified inplace"
+"""Part of autograd's error for an in-place op on the output of a custom autograd function that returns a view."""
+
 
 def _failing_modules(error: BaseException, root: nn.Module) -> list[str]:
     """Names of the modules of ``root`` whose frames the traceback passes through, innermost first."""
@@ -75,6 +78,19 @@ def explain_forward_failure(
         label = name or type(root).__name__
         kept = {n: _style_name(s) for n, s in plan.styles.items() if n not in split}
         shown = ", ".join(f"{n}: {_style_name(plan.styles[n])}" for n in split[:4]) + (" ..." if len(split) > 4 else "")
+        if _IN_PLACE_ON_VIEW in str(error):
+            # torch's split layers hand their local output on as a view made by an autograd function (DTensor's
+            # to_local), which autograd forbids modifying in place: the forward's own `x += y` on it (Falcon's
+            # parallel attention adds the attention's output into the MLP's), not the sizes, is the cause
+            return HybridConfigError(
+                f"`tensor_parallel_size={tensor_parallel_size}`: the forward failed in `{label}`"
+                f" ({type(root.get_submodule(name)).__name__}), which the tensor-parallel plan splits ({shown}), with"
+                f" {type(error).__name__}: {error} Its forward modifies the output of a split layer in place (`x +="
+                " y`), which a tensor-parallel layer's output (a view made by DTensor's `to_local`) cannot take."
+                " Leave the layers whose output it modifies replicated: pass `tensor_parallel_plan` as a dict without"
+                f" them (the plan found, less the module's: {_short(kept)}), or train this model with data or"
+                " pipeline parallel."
+            )
         return HybridConfigError(
             f"`tensor_parallel_size={tensor_parallel_size}`: the forward failed in `{label}`"
             f" ({type(root.get_submodule(name)).__name__}), which the tensor-parallel plan splits ({shown}), with"

@@ -220,6 +220,25 @@ def _check_by_data_flow(root: nn.Module, structure: ModelStructure, plan: Tensor
     return True
 
 
+def _example_plan(root: nn.Module, structure: ModelStructure) -> str:
+    """A dict plan for the error messages, in the model's own layer names: the column-wise/row-wise pairs that the
+    names table finds inside one module of the first block (an MLP's, where the attention's fused projection goes by
+    a name the table does not know: GPT-NeoX/Falcon/BLOOM's ``query_key_value``), which split alone leave the rest
+    replicated; else the block's projections, whose styles the user picks."""
+    first = structure.block_names()[0]
+    names = [n for n, m in root.get_submodule(first).named_modules() if n and is_projection(m)]
+    leaf = {n: n.rsplit(".", 1)[-1] for n in names}
+    pairs: dict[str, str] = {}
+    for closer in (n for n in names if leaf[n] in ROWWISE_NAMES):
+        openers = [n for n in names if leaf[n] in COLWISE_NAMES and _parent(n) == _parent(closer)]
+        if openers:
+            pairs.update({n: "colwise" for n in openers} | {closer: "rowwise"})
+    if not pairs:
+        pairs = {n: "colwise' or 'rowwise" for n in names[:4]}
+    shown = ", ".join(f"'{structure.blocks_name}.*.{n}': '{style}'" for n, style in pairs.items())
+    return f"`tensor_parallel_plan={{{shown}}}`"
+
+
 def _data_flow_plan(
     root: nn.Module, structure: ModelStructure, names_error: Optional[HybridConfigError]
 ) -> TensorParallelPlan:
@@ -229,15 +248,16 @@ def _data_flow_plan(
         raise HybridConfigError(
             "`tensor_parallel_plan='auto'` could not tell the split layers of the blocks of"
             f" {structure.blocks_name!r} from their names{why}, and the module has no `example_input_array` to follow"
-            " the data flow of one forward. Set `self.example_input_array` in the LightningModule, or give a plan:"
-            f" `tensor_parallel_plan={{'{structure.blocks_name}.*.attn.q': 'colwise', ...}}`."
+            " the data flow of one forward. Set `self.example_input_array` in the LightningModule, or give a plan in"
+            f" this model's layer names, e.g. {_example_plan(root, structure)} (the layers not named stay"
+            " replicated)."
         )
     first, *others = structure.block_names()
     block_plan, inside_split, regions = discover_block_plan(root, first, example)
     if not block_plan:
         raise HybridConfigError(
             f"`tensor_parallel_plan='auto'` found no pair of projections to split in {first!r} (by names or by data"
-            f" flow). Give a plan: `tensor_parallel_plan={{'{structure.blocks_name}.*.<layer>': 'colwise', ...}}`."
+            f" flow). Give a plan in this model's layer names, e.g. {_example_plan(root, structure)}."
         )
     layout = _module_kinds(root.get_submodule(first))
     plan = TensorParallelPlan()
