@@ -32,7 +32,7 @@ from lightning_hybrid.checkpoint.pretrained import LoadReport, load_pretrained_w
 from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints
 from lightning_hybrid.config import CheckpointOptions, PipelineOptions, TensorParallelOptions, ZeroOptions
 from lightning_hybrid.construction.deferred import DeferredConstruction
-from lightning_hybrid.data import sequence_part, skip_finished_batches
+from lightning_hybrid.data import release_quieted, sequence_part, skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout, StrategyOptions
 from lightning_hybrid.module_step import check_before_fit, loss_context, step_hook
 from lightning_hybrid.monitoring.callback import HybridMonitor
@@ -210,8 +210,7 @@ class HybridStrategy(ParallelStrategy):
         self._checkpoints = StrategyCheckpoints(self, self._options.checkpoint, self._checkpoint_writer)
         self._timeout = resolve_timeout(timeout)
         self.track_gradient_norm = track_gradient_norm
-        """Take the global gradient norm every step (``last_gradient_norm``); HybridMonitor has it taken on its
-        logging steps anyway."""
+        """Take the global norm each step (``last_gradient_norm``; HybridMonitor asks on its logging steps)."""
         self._topology: Optional[topology.Topology] = None
         self.parallelized: Optional[Parallelized] = None
         """What :func:`~lightning_hybrid.parallelize.parallelize` returned for the module (None before set-up)."""
@@ -405,6 +404,12 @@ class HybridStrategy(ParallelStrategy):
     test_step = step_hook("test_step")
     predict_step = step_hook("predict_step")
 
+    def _finish_sending(self) -> None:  # at a run's end no next step waits for the last stage's broadcast of results
+        if self._pipeline is not None:
+            self._pipeline.finish_sending()
+
+    on_train_end = on_validation_end = on_test_end = on_predict_end = _finish_sending
+
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:
@@ -485,8 +490,7 @@ class HybridStrategy(ParallelStrategy):
 
     @property
     def pipeline_timeline(self) -> Any:
-        """This rank's :class:`~lightning_hybrid.pipeline.runner.StepTimeline` of the last pipeline step (None
-        without pipeline parallel): per micro-batch forward/backward timings and the measured bubble fraction."""
+        """This rank's ``StepTimeline`` of the last pipeline step (None without one): micro-batch timings, bubble."""
         return self._pipeline.timeline if self._pipeline is not None else None
 
     # ------------------------------------------------------------------ checkpoints (checkpoint/strategy_io.py)
@@ -524,17 +528,14 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a checkpoint in place into the parallelized model and optimizers; returns the rest of Lightning's
-        dict (a DeepSpeed checkpoint is converted first)."""
+        """Load in place into the split model and optimizers; returns the rest of Lightning's dict (DeepSpeed's too)."""
         return self._checkpoints.load(checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # loaded in place by load_checkpoint
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # loaded in place by load_checkpoint
+    load_optimizer_state_dict = load_model_state_dict  # loaded in place by load_checkpoint too
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -567,9 +568,8 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Leave nothing running: also after an exception (Lightning tears down then too), every step below runs, and
-        the first error is raised at the end. Nothing here is collective: after an error, other ranks may not come.
-        The process groups themselves are destroyed at exit (see ``setup_environment``)."""
+        """Leave nothing running, also after an exception: every step below runs, the first error is raised at the end.
+        Nothing here is collective (other ranks may not come); the process groups are destroyed at exit."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         if self.lightning_module is not None:
@@ -580,6 +580,7 @@ class HybridStrategy(ParallelStrategy):
             self._optimizer_step.gradients.close()  # (bucket all-reduces in flight after an error are not waited on)
         if self._topology is not None:
             self._topology.watchdog.stop()
+        release_quieted()  # Lightning's warning about a loader resumed mid-epoch, silenced where it was restored
         try:
             # the end of training waits for a background checkpoint save, then destroys the save's own group
             self._checkpoint_writer.close()
@@ -589,8 +590,7 @@ class HybridStrategy(ParallelStrategy):
             self.accelerator.teardown()
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        # a failed or timed-out collective: report which rank is stuck before the process exits
+    def on_exception(self, exception: BaseException) -> None:  # a failed collective: name the stuck rank before exit
         if self._topology is not None:
             self._topology.watchdog.on_exception(exception)
 
