@@ -499,7 +499,13 @@ def test_stage_table_gives_the_heavy_head_stage_fewer_blocks(mode: str) -> None:
     example = torch.randint(0, 64, (8, 64))
     costs, first, last = stage_costs(net, "blocks", mode, example)
     plan = partition_blocks(len(costs), 2, partition=mode, block_costs=costs, first_cost=first, last_cost=last)
-    table = plan.format_table("seconds" if mode == "profile" else "params")
+    params = plan.stage_sums(*stage_costs(net, "blocks", "parameters"))
+    table = plan.format_table(params, plan.costs if mode == "profile" else ())
+    # every stage's parameters in the table, the head's stage's too (printed at start whatever the partition)
+    assert [int(line.split()[-2 if mode == "profile" else -1].replace(",", "")) for line in table.splitlines()[1:]] == [
+        round(p) for p in params
+    ], table
+    assert sum(params) == sum(p.numel() for p in net.parameters())
     assert plan.counts[-1] < plan.counts[0], f"{mode}: the head's stage should hold fewer blocks\n{table}"
     assert sum(plan.counts) == 8
 
