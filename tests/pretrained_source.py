@@ -75,21 +75,22 @@ class ReadCounter:
         self.original = _ORIGINAL_OPEN
         self.bytes = 0
         self.largest = 0  # the largest single read, in bytes
+        self.files: set[str] = set()  # the files tensor data was read from
         counter = self
 
         class _Slice:
-            def __init__(self, inner: Any) -> None:
-                self.inner = inner
+            def __init__(self, inner: Any, file: str) -> None:
+                self.inner, self.file = inner, file
 
             def __getitem__(self, index: Any) -> torch.Tensor:
-                return counter._count(self.inner[index])
+                return counter._count(self.inner[index], self.file)
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(self.inner, name)
 
         class _Handle:
-            def __init__(self, inner: Any) -> None:
-                self.inner = inner
+            def __init__(self, inner: Any, file: str) -> None:
+                self.inner, self.file = inner, file
 
             def __enter__(self) -> _Handle:
                 self.inner = self.inner.__enter__()
@@ -99,18 +100,19 @@ class ReadCounter:
                 return self.inner.__exit__(*exc)
 
             def get_slice(self, key: str) -> _Slice:
-                return _Slice(self.inner.get_slice(key))
+                return _Slice(self.inner.get_slice(key), self.file)
 
             def get_tensor(self, key: str) -> torch.Tensor:
-                return counter._count(self.inner.get_tensor(key))
+                return counter._count(self.inner.get_tensor(key), self.file)
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(self.inner, name)
 
-        loader._open = lambda file: _Handle(self.original(file))
+        loader._open = lambda file, source: _Handle(self.original(file, source), str(file))
 
-    def _count(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _count(self, tensor: torch.Tensor, file: str) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
+        self.files.add(file)
         self.bytes += nbytes
         self.largest = max(self.largest, nbytes)
         return tensor
@@ -119,8 +121,8 @@ class ReadCounter:
         loader._open = self.original
 
     def summary(self, module: torch.nn.Module, file_element_size: int = 4) -> dict[str, int]:
-        """Bytes read, the largest read, and this rank's own share: the local parts of its state-dict tensors (one
-        per storage), in the files' element size."""
+        """Bytes read, the largest read, the files read from, and this rank's own share: the local parts of its
+        state-dict tensors (one per storage), in the files' element size."""
         from torch.distributed.tensor import DTensor
 
         seen, share = set(), 0
@@ -130,4 +132,4 @@ class ReadCounter:
             if key not in seen:
                 seen.add(key)
                 share += local.numel() * file_element_size
-        return {"bytes": self.bytes, "largest": self.largest, "share": share}
+        return {"bytes": self.bytes, "largest": self.largest, "share": share, "files": len(self.files)}
