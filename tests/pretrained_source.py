@@ -27,9 +27,13 @@ def pretrained_folder(name: str, out_dir: Path) -> Path:
     return out_dir / f"{name}-weights"
 
 
-def write_hf(model: str, model_kwargs: dict[str, Any], seed: int, folder: Path, max_shard_size: str) -> None:
+def write_hf(
+    model: str, model_kwargs: dict[str, Any], seed: int, folder: Path, max_shard_size: str,
+    generation: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
     """``save_pretrained`` of the scenario's module's Hugging Face model with weights unlike the module's own
-    initialization (each perturbed by seeded noise), so a load that does nothing cannot pass."""
+    initialization (each perturbed by seeded noise), so a load that does nothing cannot pass; ``generation`` sets
+    entries of its generation config (written to ``generation_config.json``)."""
     from tests.harness import build_module
 
     source = build_module(model, **model_kwargs)
@@ -39,6 +43,8 @@ def write_hf(model: str, model_kwargs: dict[str, Any], seed: int, folder: Path, 
     with torch.no_grad():
         for p in source.parameters():
             p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    if generation:
+        source.model.generation_config.update(**generation)
     source.model.save_pretrained(folder, max_shard_size=max_shard_size)
 
 
@@ -50,7 +56,8 @@ def prepare(scenario: dict[str, Any], out_dir: Path) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         if spec["write"] == "hf":
             kwargs = {**scenario.get("model_kwargs", {}), **spec.get("model_kwargs", {})}
-            write_hf(scenario["model"], kwargs, spec["seed"], partial, spec.get("max_shard_size", "20KB"))
+            write_hf(scenario["model"], kwargs, spec["seed"], partial, spec.get("max_shard_size", "20KB"),
+                     spec.get("generation"))  # fmt: skip
         else:
             from lightning_hybrid.checkpoint import consolidate
 

@@ -85,7 +85,8 @@ class StrategyCheckpoints:
         checkpoint[LAYOUT_KEY] = strategy.layout.as_dict()
         # str(): torch.__version__ is a TorchVersion, which meta.pt's weights_only load would refuse
         checkpoint[VERSIONS_KEY] = {"torch": str(torch.__version__), "lightning": lightning.__version__}
-        hugging_face = hugging_face_info(strategy.lightning_module)  # lets `consolidate` write a from_pretrained folder
+        # lets `consolidate` write a from_pretrained folder, with the pretrained folder's generation config if any
+        hugging_face = hugging_face_info(strategy.lightning_module, self.options.pretrained_weights)
         if hugging_face is not None:
             checkpoint[HUGGING_FACE_KEY] = hugging_face
         self.writer.save(path, model, optimizer_states, checkpoint, is_rank_zero=strategy.is_global_zero)
