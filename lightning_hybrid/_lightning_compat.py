@@ -40,16 +40,25 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 
-# checked on lightning 2.6.6 with torch 2.13; remove once Lightning builds its leaf spec with torch's
-# ``treespec_leaf()``: Lightning's CombinedLoader flattens every run's loaders with torch's deprecated ``LeafSpec()``,
-# a FutureWarning on every rank of every run (eight copies at 2x2x2) that no user code can act on. Ignored for that
-# module of Lightning only
-warnings.filterwarnings(
-    "ignore",
-    message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-    category=FutureWarning,
-    module=r"lightning\.pytorch\.utilities\._pytree",
-)
+
+def ignore_known_warnings() -> None:
+    """Ignore torch's ``LeafSpec`` deprecation raised from Lightning's ``CombinedLoader`` (its ``_pytree`` module
+    only): Lightning flattens every run's loaders with ``LeafSpec()``, a FutureWarning on every rank of every run
+    (eight copies at 2x2x2) that no user code can act on. Run at import and again as a fit starts (a user's
+    ``warnings.catch_warnings`` block may have reset the filters since); idempotent.
+
+    checked on lightning 2.6.6 with torch 2.13; remove once Lightning builds its leaf spec with torch's
+    ``treespec_leaf()``.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
+ignore_known_warnings()  # at import: a user's script imports the package before it builds the Trainer
 
 __all__ = [
     "SubprocessScriptLauncher",
@@ -58,6 +67,7 @@ __all__ = [
     "destroy_dist_connection",
     "distributed_is_initialized",
     "finished_batches_of_epoch",
+    "ignore_known_warnings",
     "init_dist_connection",
     "layer_sync",
     "module_device_mesh",
