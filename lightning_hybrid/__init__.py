@@ -3,6 +3,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hybrid._version import __version__ as __version__
+from lightning_hybrid.checkpoint.loading import ShardedCheckpointMixin, load_from_checkpoint
 from lightning_hybrid.config import (
     CheckpointOptions,
     HybridConfigError,
@@ -26,9 +27,11 @@ __all__ = [
     "HybridStrategy",
     "ParallelLayout",
     "PipelineOptions",
+    "ShardedCheckpointMixin",
     "TensorParallelOptions",
     "ZeroOptions",
     "grad_norm",
+    "load_from_checkpoint",
     "plan",
 ]
 

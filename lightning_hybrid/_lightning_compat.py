@@ -7,6 +7,7 @@ release that renames one breaks this file only.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -39,6 +40,26 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 
+
+def ignore_known_warnings() -> None:
+    """Ignore torch's ``LeafSpec`` deprecation raised from Lightning's ``CombinedLoader`` (its ``_pytree`` module
+    only): Lightning flattens every run's loaders with ``LeafSpec()``, a FutureWarning on every rank of every run
+    (eight copies at 2x2x2) that no user code can act on. Run at import and again as a fit starts (a user's
+    ``warnings.catch_warnings`` block may have reset the filters since); idempotent.
+
+    checked on lightning 2.6.6 with torch 2.13; remove once Lightning builds its leaf spec with torch's
+    ``treespec_leaf()``.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
+ignore_known_warnings()  # at import: a user's script imports the package before it builds the Trainer
+
 __all__ = [
     "SubprocessScriptLauncher",
     "convert_fp_tensor",
@@ -46,11 +67,14 @@ __all__ = [
     "destroy_dist_connection",
     "distributed_is_initialized",
     "finished_batches_of_epoch",
+    "ignore_known_warnings",
     "init_dist_connection",
     "layer_sync",
     "lightning_optimizer",
     "module_device_mesh",
     "module_trainer",
+    "restores_loader_states",
+    "saved_inside_epoch",
     "summarize_with",
     "set_module_device_mesh",
     "set_launcher",
@@ -157,16 +181,48 @@ def set_world_ranks(strategy: Any) -> None:
 
 
 def finished_batches_of_epoch(trainer: Any) -> int:
-    """On a mid-epoch resume: the batches of the interrupted epoch whose step finished (0 when not resuming).
+    """On a resume into an epoch Lightning has not finished: the batches of it whose step finished, which Lightning
+    counts as done while its loader starts the epoch again from its first batch (0 when not resuming, and when the
+    checkpoint's epoch had run all its batches: Lightning's own loop then decides what comes next, as under DDP).
 
-    A checkpoint is taken in ``on_train_batch_end``, before Lightning counts the batch "completed", so the
-    "processed" count is the one to skip. ``fit_loop.restarting`` and
-    ``fit_loop.epoch_loop.batch_progress.current.processed`` (loop progress internals): checked on lightning 2.6.6
-    (2.6.x); public replacement: none yet.
+    What the fit loop restored from the checkpoint, read before its ``reset``: an epoch started but not processed
+    (``fit_loop.epoch_progress.current``) is interrupted; a checkpoint taken at its last batch
+    (``batch_progress.is_last_batch``) is one Lightning closes at restart. A checkpoint is taken in
+    ``on_train_batch_end``, before Lightning counts the batch "completed", so the "processed" count is the one to
+    skip. ``fit_loop.restarting``, ``fit_loop.epoch_progress`` and ``fit_loop.epoch_loop.batch_progress`` (loop
+    progress internals): checked on lightning 2.6.6 (2.6.x); public replacement: none yet.
     """
     if not (trainer.training and trainer.fit_loop.restarting):
         return 0
-    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    loop = trainer.fit_loop
+    epoch, batches = loop.epoch_progress.current, loop.epoch_loop.batch_progress
+    if epoch.processed >= epoch.started or batches.is_last_batch:
+        return 0
+    return batches.current.processed
+
+
+def saved_inside_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Whether a checkpoint (Lightning's dict) was taken inside an epoch that a resume goes on with: the
+    checkpoint-side reading of :func:`finished_batches_of_epoch` (an epoch started, not processed, not at its last
+    batch).
+
+    ``checkpoint["loops"]["fit_loop"]`` (the loops' progress format): checked on lightning 2.6.6 (2.6.x); public
+    replacement: none yet.
+    """
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    epoch = loop.get("epoch_progress", {}).get("current", {})
+    batches = loop.get("epoch_loop.batch_progress", {})
+    return epoch.get("processed", 0) < epoch.get("started", 0) and not batches.get("is_last_batch", False)
+
+
+def restores_loader_states(trainer: Any) -> bool:
+    """Whether the fit loop will load the training loaders' own states from the checkpoint (``state_dict`` /
+    ``load_state_dict`` loaders, saved by Lightning when the checkpoint was taken): their position is then restored
+    by Lightning.
+
+    ``fit_loop._combined_loader_states_to_load``: checked on lightning 2.6.6 (2.6.x); public replacement: none yet.
+    """
+    return bool(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None))
 
 
 def summarize_with(callback: Any, module_for: Callable[[Any], Any]) -> None:

@@ -2,12 +2,17 @@
 part of the sequence.
 
 Lightning restarts a plain (non-stateful) DataLoader from its first batch when a run resumes from a checkpoint taken
-mid-epoch, while counting the epoch's batches as already done: the first batches would be seen twice and the last
-ones never. The loop's restored progress says how many batches of this epoch are done; the loader skips them once.
+inside an epoch, while counting the epoch's batches as already done: the first batches would be seen twice and the
+last ones never. The loop's restored progress says how many batches of this epoch are done; the loader skips them once.
+Where the checkpoint's epoch had run all its batches (an epoch-end checkpoint, ``trainer.save_checkpoint`` after a fit
+that stopped), or the loader restores its own position (``state_dict``/``load_state_dict``), Lightning's loop decides
+what comes next, as under DDP, and nothing is skipped.
 """
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -15,14 +20,14 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_hybrid._lightning_compat import finished_batches_of_epoch
+from lightning_hybrid._lightning_compat import finished_batches_of_epoch, restores_loader_states
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.context_parallel import shard_batch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SkipOnResume", "check_replica_batches", "sequence_part", "skip_finished_batches"]
+__all__ = ["SkipOnResume", "check_replica_batches", "release_quieted", "sequence_part", "skip_finished_batches"]
 
 
 def _fingerprint(batch: Any, device: torch.device) -> torch.Tensor:
@@ -78,8 +83,13 @@ def sequence_part(batch: Any, context_rank: int, context_parallel_size: int) -> 
 
 
 def skip_finished_batches(dataloader: Any, trainer: Any) -> Any:
-    """The loader to iterate: on a mid-epoch resume, one that first skips the batches of the interrupted epoch whose
-    step finished; ``dataloader`` itself otherwise (also when the interrupted epoch had finished: none to skip).
+    """The loader to iterate: on a resume into an interrupted epoch, one that first skips the batches of it whose step
+    finished; ``dataloader`` itself otherwise: when not resuming, when the checkpoint's epoch had run all its batches
+    (Lightning's loop goes on to the next epoch), and when Lightning restores the loader's own position from the
+    checkpoint (a resumable loader: skipping too would skip twice).
+
+    Where it skips, Lightning's warning that the loader is not resumable is silenced until :func:`release_quieted`
+    (the strategy's teardown): the position is restored.
 
     Example:
         >>> from types import SimpleNamespace
@@ -87,15 +97,38 @@ def skip_finished_batches(dataloader: Any, trainer: Any) -> Any:
         [1, 2, 3]
     """
     done = finished_batches_of_epoch(trainer)
-    if done <= 0:
+    if done <= 0 or (_resumable(dataloader) and restores_loader_states(trainer)):
         return dataloader
-    try:
-        size = len(dataloader)
-    except TypeError:  # a DataLoader over an IterableDataset without __len__ has the method, and raises
-        size = None
-    if size is None or done < size:
-        return SkipOnResume(dataloader, done)
-    return dataloader
+    _quiet(_NOT_RESUMABLE)
+    return SkipOnResume(dataloader, done)
+
+
+# Lightning's warning on a resume inside an epoch (training_epoch_loop.py), given after the loader was made
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not"
+_quieted: list[Any] = []
+
+
+def _resumable(dataloader: Any) -> bool:
+    """Lightning's test for a loader it saves and restores (``lightning.fabric.utilities.types._Stateful``)."""
+    return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
+
+
+def _quiet(message: str) -> None:
+    """Ignore a warning starting with ``message`` (one process-wide filter, until :func:`release_quieted`)."""
+    if message not in _quieted:
+        warnings.filterwarnings("ignore", message=re.escape(message))
+        _quieted.append(message)
+
+
+def release_quieted() -> None:
+    """Drop the filters :func:`skip_finished_batches` added: a later fit of this process is warned as usual.
+
+    Example:
+        >>> release_quieted()
+    """
+    while _quieted:
+        pattern = re.compile(re.escape(_quieted.pop()), re.I)
+        warnings.filters[:] = [f for f in warnings.filters if not (f[0] == "ignore" and f[1] == pattern)]
 
 
 class SkipOnResume:

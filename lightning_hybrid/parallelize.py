@@ -425,6 +425,11 @@ def _cut_pipeline(
             last_cost=last_cost,
             owner_style="v" if options.schedule == "zbv_zero_bubble" else "loop",
         )
+        # each stage's parameters (one device's count, read before the cut leaves this rank its own stages only),
+        # whatever the partition; a profiled one adds its seconds
+        params = stage_plan.stage_sums(*(stage_costs(network, blocks_rel, "parameters") if partition != "parameters"
+                                         else (costs, first_cost, last_cost)))  # fmt: skip
+        seconds = stage_plan.costs if partition == "profile" else ()
         pipeline_rank = mesh["pipeline"].get_local_rank()
         verifier = make_verifier(  # not under context parallel: the copy runs on one rank, attention needs them all
             options.verify_pipeline if layout.context_parallel_size == 1 else False,
@@ -438,8 +443,7 @@ def _cut_pipeline(
         # the network may be the LightningModule: its meta copy refers to the same Trainer and mesh
         keep = (module_trainer(module), module_device_mesh(module))
         split = split_network(network, blocks_rel, stage_plan, pipeline_rank, root=module, keep=keep)
-    unit = "seconds" if partition == "profile" else "params"
-    rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(unit))
+    rank_zero_info("lightning-hybrid pipeline stages:\n" + stage_plan.format_table(params, seconds))
     return split, network, verifier
 
 

@@ -28,7 +28,7 @@ from lightning_hybrid.checkpoint import ShardedCheckpointWriter
 from lightning_hybrid.checkpoint.pretrained import LoadReport
 from lightning_hybrid.checkpoint.strategy_io import StrategyCheckpoints, checkpoint_hook
 from lightning_hybrid.construction.deferred import DeferredConstruction
-from lightning_hybrid.data import sequence_part, skip_finished_batches
+from lightning_hybrid.data import release_quieted, sequence_part, skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.model_setup import set_up_module
 from lightning_hybrid.module_step import check_before_fit, loss_context, step_hook
@@ -248,6 +248,12 @@ class HybridStrategy(ParallelStrategy):
     test_step = step_hook("test_step")
     predict_step = step_hook("predict_step")
 
+    def _finish_sending(self) -> None:  # at a run's end no next step waits for the last stage's broadcast of results
+        if self._pipeline is not None:
+            self._pipeline.finish_sending()
+
+    on_train_end = on_validation_end = on_test_end = on_predict_end = _finish_sending
+
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:  # the schedule ran the backward inside training_step: its gradients, restored
@@ -371,6 +377,7 @@ class HybridStrategy(ParallelStrategy):
             self._optimizer_step.gradients.close()  # (bucket all-reduces in flight after an error are not waited on)
         if self._topology is not None:
             self._topology.watchdog.stop()
+        release_quieted()  # Lightning's warning about a loader resumed mid-epoch, silenced where it was restored
         try:
             # the end of training waits for a background checkpoint save, then destroys the save's own group
             self._checkpoint_writer.close()

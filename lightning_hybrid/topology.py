@@ -308,6 +308,7 @@ def start_topology(
         >>> # topology.mesh["data_parallel"] == topology.mesh["data"]  # -> True
     """
     backend = backend or compat.default_process_group_backend(device)
+    compat.ignore_known_warnings()  # again: the filters may have been reset since the import (warnings.catch_warnings)
     init_process_groups(cluster_environment, backend, device, timeout)
     # also answers to the dimension names of Lightning's ModelParallelStrategy ("data_parallel", ...)
     mesh = with_lightning_names(build_device_mesh(layout, device.type, timeout))

@@ -4,7 +4,7 @@ A rank that is alive but not progressing (stopped, or deadlocked in its own code
 collective until the process groups' timeout. Then the gloo ranks raise one by one, and NCCL's watchdog aborts,
 without a word on which rank held the job up. This module adds the missing word and bounds the exit:
 
-- **What each rank waits in.** torch's flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, set here unless the user set
+- **What each rank waits in.** torch's flight recorder (``TORCH_FR_BUFFER_SIZE``, set here unless the user sized
   it) records every collective in C++, NCCL and gloo alike (DTensor's functional collectives and the user's own
   included): its per-group sequence numbers tell who has entered a collective and who has not. Under gloo it does not
   record ``send``/``recv``: the pipeline's transfers are told by the pipeline's stages themselves, as they hand their
@@ -54,6 +54,10 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 # flight-recorder entries kept per process: torch's recommendation for NCCL dumps; gloo's record is only read here
 _TRACE_ENTRIES = {"nccl": 2000, "gloo": 256}
+# the flight recorder's size, under torch's newer name first: torch reads both (the new one first) and warns on every
+# rank that the old TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated (2.13); a buffer the user sized under either is kept
+_BUFFER_SIZE_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_BUFFER_SIZE = _BUFFER_SIZE_NAMES[0]
 _GRACE_S = 10.0  # after the report, a rank still alive (teardown blocked) is ended
 _STORE_TIMEOUT_S = 5.0
 _runs = itertools.count()  # one key space per fit in a process (every rank starts the same fits in the same order)
@@ -85,16 +89,16 @@ def resolve_timeout(timeout: Union[timedelta, float, int, None]) -> timedelta:
 
 def configure_flight_recorder(backend: str) -> dict[str, str]:
     """Turn on torch's flight recorder for the process groups about to be created, unless the user configured it:
-    a ring buffer of the last collectives (``TORCH_NCCL_TRACE_BUFFER_SIZE``) and, under NCCL, a dump of it on timeout
+    a ring buffer of the last collectives (``TORCH_FR_BUFFER_SIZE``) and, under NCCL, a dump of it on timeout
     (``TORCH_NCCL_DUMP_ON_TIMEOUT``, to ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, default ``/tmp/nccl_trace_rank_<rank>``).
     Must run before the process groups exist. Returns the variables it set."""
-    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(_TRACE_ENTRIES["nccl" if backend == "nccl" else "gloo"])}
+    wanted = {_BUFFER_SIZE: str(_TRACE_ENTRIES["nccl" if backend == "nccl" else "gloo"])}
     if backend == "nccl":
         wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     set_here = {}
     for name, value in wanted.items():
-        if name == "TORCH_NCCL_TRACE_BUFFER_SIZE" and "TORCH_FR_BUFFER_SIZE" in os.environ:
-            continue  # torch's newer name for the same buffer
+        if name == _BUFFER_SIZE and any(n in os.environ for n in _BUFFER_SIZE_NAMES):
+            continue  # the user sized the buffer, under either name
         if name not in os.environ:
             os.environ[name] = set_here[name] = value
     return set_here

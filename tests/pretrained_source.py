@@ -27,9 +27,13 @@ def pretrained_folder(name: str, out_dir: Path) -> Path:
     return out_dir / f"{name}-weights"
 
 
-def write_hf(model: str, model_kwargs: dict[str, Any], seed: int, folder: Path, max_shard_size: str) -> None:
+def write_hf(
+    model: str, model_kwargs: dict[str, Any], seed: int, folder: Path, max_shard_size: str,
+    generation: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
     """``save_pretrained`` of the scenario's module's Hugging Face model with weights unlike the module's own
-    initialization (each perturbed by seeded noise), so a load that does nothing cannot pass."""
+    initialization (each perturbed by seeded noise), so a load that does nothing cannot pass; ``generation`` sets
+    entries of its generation config (written to ``generation_config.json``)."""
     from tests.harness import build_module
 
     source = build_module(model, **model_kwargs)
@@ -39,6 +43,8 @@ def write_hf(model: str, model_kwargs: dict[str, Any], seed: int, folder: Path, 
     with torch.no_grad():
         for p in source.parameters():
             p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    if generation:
+        source.model.generation_config.update(**generation)
     source.model.save_pretrained(folder, max_shard_size=max_shard_size)
 
 
@@ -50,7 +56,8 @@ def prepare(scenario: dict[str, Any], out_dir: Path) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         if spec["write"] == "hf":
             kwargs = {**scenario.get("model_kwargs", {}), **spec.get("model_kwargs", {})}
-            write_hf(scenario["model"], kwargs, spec["seed"], partial, spec.get("max_shard_size", "20KB"))
+            write_hf(scenario["model"], kwargs, spec["seed"], partial, spec.get("max_shard_size", "20KB"),
+                     spec.get("generation"))  # fmt: skip
         else:
             from lightning_hybrid.checkpoint import consolidate
 
@@ -75,21 +82,22 @@ class ReadCounter:
         self.original = _ORIGINAL_OPEN
         self.bytes = 0
         self.largest = 0  # the largest single read, in bytes
+        self.files: set[str] = set()  # the files tensor data was read from
         counter = self
 
         class _Slice:
-            def __init__(self, inner: Any) -> None:
-                self.inner = inner
+            def __init__(self, inner: Any, file: str) -> None:
+                self.inner, self.file = inner, file
 
             def __getitem__(self, index: Any) -> torch.Tensor:
-                return counter._count(self.inner[index])
+                return counter._count(self.inner[index], self.file)
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(self.inner, name)
 
         class _Handle:
-            def __init__(self, inner: Any) -> None:
-                self.inner = inner
+            def __init__(self, inner: Any, file: str) -> None:
+                self.inner, self.file = inner, file
 
             def __enter__(self) -> _Handle:
                 self.inner = self.inner.__enter__()
@@ -99,18 +107,19 @@ class ReadCounter:
                 return self.inner.__exit__(*exc)
 
             def get_slice(self, key: str) -> _Slice:
-                return _Slice(self.inner.get_slice(key))
+                return _Slice(self.inner.get_slice(key), self.file)
 
             def get_tensor(self, key: str) -> torch.Tensor:
-                return counter._count(self.inner.get_tensor(key))
+                return counter._count(self.inner.get_tensor(key), self.file)
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(self.inner, name)
 
-        loader._open = lambda file: _Handle(self.original(file))
+        loader._open = lambda file, source: _Handle(self.original(file, source), str(file))
 
-    def _count(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _count(self, tensor: torch.Tensor, file: str) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
+        self.files.add(file)
         self.bytes += nbytes
         self.largest = max(self.largest, nbytes)
         return tensor
@@ -119,8 +128,8 @@ class ReadCounter:
         loader._open = self.original
 
     def summary(self, module: torch.nn.Module, file_element_size: int = 4) -> dict[str, int]:
-        """Bytes read, the largest read, and this rank's own share: the local parts of its state-dict tensors (one
-        per storage), in the files' element size."""
+        """Bytes read, the largest read, the files read from, and this rank's own share: the local parts of its
+        state-dict tensors (one per storage), in the files' element size."""
         from torch.distributed.tensor import DTensor
 
         seen, share = set(), 0
@@ -130,4 +139,4 @@ class ReadCounter:
             if key not in seen:
                 seen.add(key)
                 share += local.numel() * file_element_size
-        return {"bytes": self.bytes, "largest": self.largest, "share": share}
+        return {"bytes": self.bytes, "largest": self.largest, "share": share, "files": len(self.files)}

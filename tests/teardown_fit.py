@@ -37,7 +37,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from tests.harness import build_module, make_dataset, trainer_kwargs  # noqa: E402
+from tests.harness import Recorder, build_module, full_parameters, make_dataset, trainer_kwargs  # noqa: E402
 
 spec = json.loads(sys.argv[1])
 module = build_module("nanogpt", n_layer=spec.get("n_layer", 2), bias=False)
@@ -54,6 +54,15 @@ if spec.get("sigterm_at") is not None:  # every rank gets SIGTERM at the end of 
                 os.kill(os.getpid(), signal.SIGTERM)
 
     callbacks.append(Preempted())
+recorder = Recorder()
+if spec.get("result"):  # per-step losses (averaged over the data-parallel replicas) and the final parameters
+
+    class Bind(L.Callback):
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+            data = trainer.strategy.device_mesh["data"]
+            recorder.data_group, recorder.data_size = data.get_group(), data.size()
+
+    callbacks += [Bind(), recorder]
 trainer = L.Trainer(accelerator="cpu", devices=spec["devices"], strategy=HybridStrategy(**spec["strategy"]),
                     callbacks=callbacks, **kwargs)  # fmt: skip
 loader = torch.utils.data.DataLoader(make_dataset(), batch_size=spec.get("batch_size", 4))
@@ -63,6 +72,13 @@ except SystemExit as stop:  # Lightning's SIGTERMException, raised together on e
     print(f"STOPPED {type(stop).__name__} rank {trainer.global_rank} step {trainer.global_step}", flush=True)
 if spec.get("save"):
     trainer.save_checkpoint(spec["save"])
+if spec.get("result"):  # each rank holds its stages' parameters only: merged over every rank's view
+    views: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(views, full_parameters(module))
+    if trainer.global_rank == 0:
+        environment = type(trainer.strategy.cluster_environment).__name__
+        params = {k: v for view in views for k, v in view.items()}
+        torch.save({"losses": recorder.losses, "params": params, "environment": environment}, spec["result"])
 _world = weakref.ref(torch.distributed.group.WORLD)
 losses: list = [None] * torch.distributed.get_world_size()
 result = trainer.global_step if spec.get("sigterm_at") is not None else trainer.callback_metrics.get("train_loss", 0.0)

@@ -31,10 +31,13 @@ NANOGPT_ZERO3 = {"name": "export-nanogpt-dp2-zero3", "model": "nanogpt", "model_
                  "strategy": {"zero_stage": 3}, "steps": 2, "batch_size": 8, "data_parallel_size": 2,
                  "callbacks": [SAVE_AT_END]}  # fmt: skip
 
-# tied input and output embeddings under tensor parallel: save_pretrained leaves the head out, and so must the export
+# tied input and output embeddings under tensor parallel: save_pretrained leaves the head out, and so must the export;
+# fine-tuned from a Hugging Face folder whose generation config the export must carry on
+GENERATION = {"max_new_tokens": 7, "do_sample": True, "temperature": 0.6}
+FROM_FOLDER = {"write": "hf", "seed": 5, "generation": GENERATION}
 LLAMA_TIED_TP2 = {"name": "export-llama-tied-tp2", "model": "llama", "model_kwargs": {"tie_word_embeddings": True},
                   "strategy": {"tensor_parallel_size": 2}, "steps": 2, "batch_size": 4, "data_parallel_size": 1,
-                  "callbacks": [SAVE_AT_END]}  # fmt: skip
+                  "callbacks": [SAVE_AT_END], "pretrained": FROM_FOLDER}  # fmt: skip
 
 share(2, [LLAMA_PP2, NANOGPT_ZERO3, LLAMA_TIED_TP2])
 
@@ -142,6 +145,12 @@ def test_tied_embeddings_export_equals_save_pretrained(shared_groups, tmp_path: 
     inputs = torch.stack([make_dataset()[i][0] for i in range(4)])
     with torch.no_grad():
         assert torch.equal(exported(input_ids=inputs).logits, module(inputs))
+    # the generation config of the folder the run started from (pretrained_weights), copied as it was
+    from tests.pretrained_source import pretrained_folder
+
+    source = pretrained_folder("export-llama-tied-tp2", group.out_dir) / "generation_config.json"
+    assert (out / "generation_config.json").read_text() == source.read_text()
+    assert exported.generation_config.max_new_tokens == GENERATION["max_new_tokens"]
 
 
 # ---------------------------------------------------------------- one Lightning .ckpt file
@@ -176,6 +185,43 @@ def test_lightning_checkpoint_file_loads_with_load_from_checkpoint(shared_groups
     assert gathered.keys() <= state.keys()
     for name, want in gathered.items():
         assert torch.equal(state[name], want), f"{name} differs from the gathered parameter"
+
+
+@pytest.mark.timeout(900)
+def test_a_checkpoint_directory_loads_into_a_plain_module_in_one_process(shared_groups, tmp_path: Path) -> None:
+    """The same ZeRO-3 checkpoint directory, with no consolidate step: ``lightning_hybrid.load_from_checkpoint`` and a
+    module with ``ShardedCheckpointMixin`` build the module with its saved hyper-parameters and the gathered
+    parameters, through Lightning's own ``load_from_checkpoint`` (``strict`` and keyword arguments as Lightning takes
+    them); a file goes to Lightning unchanged. Lightning's own on the directory still stops at the directory, which
+    is why the two exist (docs/checkpoint.md)."""
+    import lightning_hybrid
+    from examples.nanogpt import NanoGPT
+    from lightning_hybrid.checkpoint import consolidate
+
+    class MixedNanoGPT(lightning_hybrid.ShardedCheckpointMixin, NanoGPT):
+        pass
+
+    group = shared_groups(2)
+    checkpoint = _checkpoint(group, "export-nanogpt-dp2-zero3")
+    gathered = group.get("export-nanogpt-dp2-zero3")["params"]
+    full = consolidate(checkpoint, tmp_path / "full.ckpt")
+    loaded = [
+        lightning_hybrid.load_from_checkpoint(NanoGPT, checkpoint),
+        lightning_hybrid.load_from_checkpoint(NanoGPT, str(checkpoint), map_location="cpu", strict=True),
+        MixedNanoGPT.load_from_checkpoint(checkpoint),
+        MixedNanoGPT.load_from_checkpoint(full),  # a file: Lightning's own path
+        lightning_hybrid.load_from_checkpoint(NanoGPT, full, learning_rate=0.5),  # an override, as Lightning's
+    ]
+    for module in loaded:
+        for name, value in NANOGPT_HPARAMS.items():
+            want = 0.5 if module is loaded[-1] and name == "learning_rate" else value
+            assert module.hparams[name] == want, (name, module.hparams[name])
+        state = module.state_dict()
+        for name, want in gathered.items():
+            assert torch.equal(state[name], want), f"{type(module).__name__}: {name} differs"
+    assert isinstance(loaded[2], MixedNanoGPT)
+    with pytest.raises(IsADirectoryError):
+        NanoGPT.load_from_checkpoint(checkpoint)
 
 
 def test_bad_shard_size_and_output_are_refused(tmp_path: Path) -> None:

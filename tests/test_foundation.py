@@ -25,6 +25,8 @@ OVERFLOW_STEPS, OVERFLOW_AT = 5, 2
 # nanoGPT without biases: the key bias has an exactly zero gradient (softmax is shift-invariant per query), so Adam
 # turns rounding noise there into full-size steps and any change of summation order, even DDP's, shows up at 1e-4.
 MODELS = {"nanogpt": {"bias": False}, "llama": {}}
+# small enough that every step clamps some gradient elements and leaves others (checked in one process)
+CLIP_VALUE = {"gradient_clip_val": 2e-3, "gradient_clip_algorithm": "value"}
 
 
 def scenario(name: str, model: str, strategy: dict[str, Any], dp: int, **extra: Any) -> dict[str, Any]:
@@ -81,6 +83,10 @@ WORLD2 = [
     scenario("nanogpt-tp2-uninterrupted", "nanogpt", {"tensor_parallel_size": 2}, 1, batch_size=16),
     # gradients clipped by the global norm (small enough to clip every step), ZeRO-2 over data
     scenario("nanogpt-dp2-zero2-clip", "nanogpt", {"zero_stage": 2}, 2, trainer={"gradient_clip_val": 0.05}),
+    # clipping by value (elementwise, on each rank's part of the reduced gradients) in the layouts that clip by norm,
+    # and at tp2, where tensor-parallel DTensor gradients sit beside the plain ones of the replicated norms
+    scenario("nanogpt-dp2-zero2-clip-value", "nanogpt", {"zero_stage": 2}, 2, trainer=CLIP_VALUE),
+    scenario("nanogpt-tp2-clip-value", "nanogpt", {"tensor_parallel_size": 2}, 1, trainer=CLIP_VALUE),
     scenario(
         "error-pattern",
         "nanogpt",
@@ -142,6 +148,8 @@ WORLD4 = [
         )  # fmt: skip
         for z in (3, 0)
     ],
+    *[scenario(f"nanogpt-tp2-dp2-zero{z}-clip-value", "nanogpt", {"tensor_parallel_size": 2, "zero_stage": z}, 2,
+               trainer=CLIP_VALUE) for z in (3, 0)],
     # buckets of DTensor (tensor-parallel) gradients, with accumulation
     *[scenario(f"nanogpt-tp2-dp2-zero{z}-buckets-accum", "nanogpt",
                {"tensor_parallel_size": 2, "zero_stage": z, "bucket_cap_mb": BUCKET_MB}, 2,

@@ -12,7 +12,7 @@ import pytest
 from lightning_hybrid import HybridConfigError, HybridStrategy
 from lightning_hybrid.pipeline import partition_blocks
 from tests.conftest import share
-from tests.test_foundation import assert_parity, assert_resume_is_exact, reference_for, scenario
+from tests.test_foundation import CLIP_VALUE, assert_parity, assert_resume_is_exact, reference_for, scenario
 
 SCHEDULES = {
     "gpipe": {},
@@ -152,6 +152,8 @@ WORLD4 += [
      "model": "posemb_gpt"},
     {**scenario("posemb-pp4-clip", "nanogpt", _pp(4, "1f1b", 4), 1, model_kwargs=LAYERS4,
                 trainer={"gradient_clip_val": 0.05}), "model": "posemb_gpt"},
+    {**scenario("posemb-pp4-clip-value", "nanogpt", _pp(4, "1f1b", 4), 1, model_kwargs=LAYERS4,
+                trainer=CLIP_VALUE), "model": "posemb_gpt"},
     # lm_head is tied to wte, but the automatic plan splits the later aux_head as the vocabulary head: the embedding
     # is split on stage 0 while its tied copy stays whole on stage 1
     {**scenario("error-tied-layouts-differ", "nanogpt",
@@ -195,6 +197,10 @@ WORLD8 += [
     )  # fmt: skip
     for z in (1, 3)
 ]
+# by value at ZeRO-3 (ZeRO-1: tests/test_precision.py's clip-value-2x2x2-zero1)
+WORLD8.append(scenario("tp2-pp2-dp2-zero3-clip-value", "nanogpt", {**_pp(2, "1f1b", 2), "tensor_parallel_size": 2,
+                                                                  "zero_stage": 3}, 2, model_kwargs=LAYERS4,
+                       trainer=CLIP_VALUE))  # fmt: skip
 WORLD8 += [
     scenario(
         f"tp2-pp2-dp2-zero{z}-resume",
@@ -227,6 +233,10 @@ WORLD2.append(
         trainer={"gradient_clip_val": 0.05},
     )  # fmt: skip
 )
+WORLD2.append(
+    scenario("pp2-tied-clip-value", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs={**LAYERS4, "tie_weights": True},
+             trainer=CLIP_VALUE)
+)
 WORLD2.append(scenario("pp2-predict", "nanogpt", _pp(2, "1f1b", 2), 1, model_kwargs=LAYERS4, predict=True))
 # modules written without this project in mind (tests/foreign_models.py): litgpt's GPT registers its lm_head before
 # the block list; it used to be cut as an input module, and the loss sat at ln(vocab) with nothing trained
@@ -258,7 +268,7 @@ WRAPPED = [
     )
 ]
 WORLD2 += WRAPPED
-TIED_CLIP = {"pp2-tied-clip": {"model.lm_head.weight": "model.wte.weight"}}
+TIED_CLIP = {f"pp2-tied-clip{kind}": {"model.lm_head.weight": "model.wte.weight"} for kind in ("", "-value")}
 GROUPS = {2: WORLD2, 4: WORLD4, 8: WORLD8}
 PARITY = [s for group in GROUPS.values() for s in group if not s.get("expect_error") and not s.get("callbacks")]
 TIED = {"pp2-tied": {"model.lm_head.weight": "model.wte.weight"}, **TIED_CLIP}
@@ -492,7 +502,13 @@ def test_stage_table_gives_the_heavy_head_stage_fewer_blocks(mode: str) -> None:
     example = torch.randint(0, 64, (8, 64))
     costs, first, last = stage_costs(net, "blocks", mode, example)
     plan = partition_blocks(len(costs), 2, partition=mode, block_costs=costs, first_cost=first, last_cost=last)
-    table = plan.format_table("seconds" if mode == "profile" else "params")
+    params = plan.stage_sums(*stage_costs(net, "blocks", "parameters"))
+    table = plan.format_table(params, plan.costs if mode == "profile" else ())
+    # every stage's parameters in the table, the head's stage's too (printed at start whatever the partition)
+    assert [int(line.split()[-2 if mode == "profile" else -1].replace(",", "")) for line in table.splitlines()[1:]] == [
+        round(p) for p in params
+    ], table
+    assert sum(params) == sum(p.numel() for p in net.parameters())
     assert plan.counts[-1] < plan.counts[0], f"{mode}: the head's stage should hold fewer blocks\n{table}"
     assert sum(plan.counts) == 8
 

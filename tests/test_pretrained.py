@@ -12,6 +12,7 @@ A source that does not fit is refused with the same message on all 8 ranks. Sing
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,10 @@ def test_hugging_face_folder_loads_sharded_into_2x2x2(shared_groups, case: dict[
     reads = _check_reads(result, total)
     report = result["per_rank"][0]["pretrained_report"]
     assert (report.module_prefix, report.file_prefix, report.bytes_read) == ("model.", "", reads[0]["bytes"])
+    # the log line's file count is what the rank read from, not the folder's: here fewer than all of them
+    for rank, r in zip(result["per_rank"], reads):
+        assert rank["pretrained_report"].files_read == r["files"] <= rank["pretrained_report"].files, (rank, r)
+    assert min(r["files"] for r in reads) < report.files, reads
 
 
 @pytest.mark.timeout(2400)
@@ -180,8 +185,27 @@ def test_a_wrapped_hugging_face_model_maps_by_its_prefix(hf_folder: Path) -> Non
     expected = LlamaForCausalLM.from_pretrained(hf_folder).state_dict()
     for name, value in module.model.state_dict().items():
         assert torch.equal(value, expected[name]), name
-    assert (report.module_prefix, report.file_prefix, report.files) == ("model.", "", 7)
+    assert (report.module_prefix, report.file_prefix, report.files, report.files_read) == ("model.", "", 7, 7)
     assert report.bytes_read == sum(v.numel() * 4 for v in expected.values())
+
+
+def test_a_damaged_shard_is_named(hf_folder: Path, tmp_path: Path) -> None:
+    """A truncated shard (an interrupted download) or one with a broken header: the error names the file and says to
+    fetch it again, instead of safetensors' bare "Error while deserializing header"."""
+    import shutil
+
+    folder = tmp_path / "llama"
+    shutil.copytree(hf_folder, folder)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    data = shards[2].read_bytes()
+    shards[2].write_bytes(data[: len(data) // 2])
+    shards[4].write_bytes(b"\x00" * 16 + data[16:])
+    with pytest.raises(HybridConfigError, match=rf"the file {re.escape(str(shards[2]))} \([\d,]+ bytes\) is not a"
+                       r" readable safetensors file \(.*incomplete.*\).* Download or copy that file again"):
+        load_pretrained(build_module("llama"), folder)
+    shards[2].write_bytes(data)
+    with pytest.raises(HybridConfigError, match=rf"the file {re.escape(str(shards[4]))} .*damaged or incomplete"):
+        load_pretrained(build_module("llama"), folder)
 
 
 def test_match_keys_swaps_prefixes_and_falls_back_on_tied_weights() -> None:

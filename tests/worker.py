@@ -432,6 +432,10 @@ def main() -> None:
                 from tests.cli_runs import run as run_cli
 
                 run_cli(scenario, out_dir)
+            elif scenario.get("runner") == "resume":  # every kind of checkpoint resumed (tests/resume_runs.py)
+                from tests.resume_runs import run as run_resume
+
+                run_resume(scenario, out_dir)
             elif str(scenario.get("runner", "")).startswith("feature"):  # tests/features.py
                 from tests.features import RUNNERS
 

@@ -208,6 +208,9 @@ def _write_hugging_face_layout(
     return written
 
 
+GENERATION_CONFIG_NAME = "generation_config.json"  # transformers' name, beside config.json
+
+
 def consolidate(
     checkpoint: Union[str, Path],
     output: Union[str, Path],
@@ -248,18 +251,67 @@ def consolidate(
             f"`output` {str(output)!r} ends in .ckpt, which asks for one Lightning checkpoint file, but it is a"
             " directory. Give a new file name ending in .ckpt, or a folder name without .ckpt for safetensors files."
         )
+    if lightning_file:
+        checkpoint = consolidated_checkpoint(source, dtype=dtype, buffer_bytes=buffer_bytes, verify=verify)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        partial = output.with_name(f".{output.name}.partial")  # a crash mid-write must not leave a truncated .ckpt
+        torch.save(checkpoint, partial)
+        partial.replace(output)
+        return output
+    layout, read, meta = _weights(source, "consolidate", dtype, buffer_bytes, verify, own_keys=False)
+    hugging_face = meta.get(HUGGING_FACE_KEY)
+    output.mkdir(parents=True, exist_ok=True)
+    _write_hugging_face_layout(output, layout, read, max_bytes, count_parameters=hugging_face is not None)
+    if hugging_face:
+        config = json.loads(hugging_face["config"])
+        config.setdefault("architectures", [hugging_face["architecture"]])
+        config["architectures"] = config["architectures"] or [hugging_face["architecture"]]
+        if dtype is not None:
+            config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        (output / "config.json").write_text(json.dumps(config, indent=2))
+        if hugging_face.get("generation_config"):  # the source folder's, as save_pretrained writes the model's
+            (output / GENERATION_CONFIG_NAME).write_text(hugging_face["generation_config"])
+    return output
+
+
+def consolidated_checkpoint(
+    checkpoint: Union[str, Path],
+    *,
+    dtype: Optional[torch.dtype] = None,
+    buffer_bytes: int = 256 * 2**20,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """A lightning-hybrid checkpoint directory as one Lightning checkpoint dict in memory (what ``consolidate(...,
+    "x.ckpt")`` writes): the module's full ``state_dict`` (its own keys), the hyper-parameters, epoch, global step,
+    loops and the rest of what Lightning saved, no optimizer state. Checks the files as :func:`consolidate` does.
+
+    Example:
+        >>> # consolidated_checkpoint("checkpoints/last.ckpt")["state_dict"]["model.wte.weight"].shape
+    """
+    source = Path(checkpoint)
+    layout, read, meta = _weights(source, "load", dtype, buffer_bytes, verify, own_keys=True)
+    return lightning_checkpoint_dict(layout, read(list(range(len(layout)))), lightning_entries(meta))
+
+
+def _weights(
+    source: Path, verb: str, dtype: Optional[torch.dtype], buffer_bytes: int, verify: bool, *, own_keys: bool
+) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Callable[[list[int]], Iterator[Tensor]], dict[str, Any]]:
+    """The checkpoint's model weights: their (name, shape, dtype) in writing order, a reader of them by index, and
+    ``meta.pt``. Names are the LightningModule's (``own_keys``) or, when it held a Hugging Face model, that model's
+    own, its tied copies left out as ``save_pretrained`` leaves them out. Raises :class:`CheckpointError` naming each
+    file that fails its checks (``verb``: what was asked, for the message)."""
     problems = check_files(source) or integrity_problems(source, verify=verify)  # before unpickling the index
     metadata = SafeFileSystemReader(str(source)).read_metadata() if not problems else None
     problems = problems or check_shard_files(source, metadata)
     if problems:
-        raise CheckpointError(f"Cannot consolidate {source}:\n  " + "\n  ".join(problems))
+        raise CheckpointError(f"Cannot {verb} {source}:\n  " + "\n  ".join(problems))
     assert metadata is not None
     stored = metadata.state_dict_metadata
     shape_keys = [k for k in stored if k.startswith(NATURAL_SHAPE_PREFIX)]
     natural = _read(str(source), {k: None for k in shape_keys}) if shape_keys else {}
     meta = read_meta(source)
     # a Lightning file keeps the module's own keys; a folder those of the Hugging Face model inside it, if any
-    hugging_face = None if lightning_file else meta.get(HUGGING_FACE_KEY)
+    hugging_face = None if own_keys else meta.get(HUGGING_FACE_KEY)
     strip = MODEL_PREFIX + (hugging_face["prefix"] if hugging_face else "")
     tied = {strip + key for key in hugging_face.get("tied", [])} if hugging_face else set()  # as save_pretrained
     entries = [
@@ -291,45 +343,44 @@ def consolidate(
             for k, _ in batch:
                 yield loaded.pop(k)
 
-    if lightning_file:
-        _write_lightning_checkpoint(output, layout, read(list(range(len(layout)))), lightning_entries(meta))
-        return output
-    output.mkdir(parents=True, exist_ok=True)
-    _write_hugging_face_layout(output, layout, read, max_bytes, count_parameters=hugging_face is not None)
-    if hugging_face:
-        config = json.loads(hugging_face["config"])
-        config.setdefault("architectures", [hugging_face["architecture"]])
-        config["architectures"] = config["architectures"] or [hugging_face["architecture"]]
-        if dtype is not None:
-            config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        (output / "config.json").write_text(json.dumps(config, indent=2))
-    return output
+    return layout, read, meta
 
 
-def _write_lightning_checkpoint(
-    output: Path,
-    layout: list[tuple[str, tuple[int, ...], torch.dtype]],
-    tensors: Iterator[Tensor],
-    lightning: dict[str, Any],
-) -> None:
-    """One ``torch.save`` file in Lightning's checkpoint format: what Lightning saved in ``meta.pt`` (epoch,
-    global step, version, loops, hyper-parameters, callbacks, ...) plus the full ``state_dict``. No
+def lightning_checkpoint_dict(
+    layout: list[tuple[str, tuple[int, ...], torch.dtype]], tensors: Iterator[Tensor], lightning: dict[str, Any]
+) -> dict[str, Any]:
+    """A checkpoint dict in Lightning's format (what a ``.ckpt`` file holds): what Lightning saved in ``meta.pt``
+    (epoch, global step, version, loops, hyper-parameters, callbacks, ...) plus the full ``state_dict``. No
     ``optimizer_states``: the checkpoint keeps each parameter's optimizer state, but not which parameter group of
-    torch's positional ``state_dict`` format it belongs to, so Lightning would refuse to resume training from this
-    file as from any weights-only checkpoint (resume from the sharded one)."""
+    torch's positional ``state_dict`` format it belongs to, so Lightning would refuse to resume training from it as
+    from any weights-only checkpoint (resume from the sharded one).
+
+    Example:
+        >>> lightning_checkpoint_dict([("w", (2,), torch.float32)], iter([torch.ones(2)]), {"epoch": 1})["state_dict"]
+        {'w': tensor([1., 1.])}
+    """
     state_dict = {
         name: tensor.detach().to(dtype).reshape(shape).contiguous()
         for (name, shape, dtype), tensor in zip(layout, tensors)
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial")  # a crash mid-write must not leave a truncated .ckpt
-    torch.save({**lightning, "state_dict": state_dict}, partial)
-    partial.replace(output)
+    return {**lightning, "state_dict": state_dict}
 
 
-def hugging_face_info(module: torch.nn.Module) -> Optional[dict[str, Any]]:
-    """Where a Hugging Face model sits in ``module``, its config, and the weights ``save_pretrained`` leaves out as
-    tied copies, for :func:`consolidate` (None if there is none)."""
+def hugging_face_info(
+    module: torch.nn.Module, weights_source: Union[str, Path, None] = None
+) -> Optional[dict[str, Any]]:
+    """Where a Hugging Face model sits in ``module``, its config, the weights ``save_pretrained`` leaves out as tied
+    copies and its generation config, for :func:`consolidate` (None if there is none).
+
+    The generation config is the one of the folder the weights came from (``weights_source``, the strategy's
+    ``pretrained_weights``), when it has a ``generation_config.json``; else the model's own when it did not derive it
+    from its model config (``from_pretrained`` read it from a folder, or the user set it): what ``save_pretrained``
+    would write for it.
+
+    Example:
+        >>> hugging_face_info(torch.nn.Linear(2, 2)) is None
+        True
+    """
     import sys
 
     if "transformers" not in sys.modules:
@@ -343,8 +394,21 @@ def hugging_face_info(module: torch.nn.Module) -> Optional[dict[str, Any]]:
                 "config": sub.config.to_json_string(),
                 "architecture": type(sub).__name__,
                 "tied": _tied_copies(sub),
+                "generation_config": _generation_config(sub, weights_source),
             }
     return None
+
+
+def _generation_config(model: torch.nn.Module, weights_source: Union[str, Path, None]) -> Optional[str]:
+    """The generation config to export with ``model``, as JSON text (see :func:`hugging_face_info`), or None."""
+    source = Path(weights_source) / GENERATION_CONFIG_NAME if weights_source is not None else None
+    if source is not None and source.is_file():
+        return source.read_text()
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", lambda: False)()
+    if generation is None or not can_generate or getattr(generation, "_from_model_config", False):
+        return None
+    return generation.to_json_string()
 
 
 def _state_dict_order(hugging_face: dict[str, Any]) -> list[str]:

@@ -48,7 +48,7 @@ class LoadReport:
     """What :func:`load_pretrained` did on this rank.
 
     Example:
-        >>> LoadReport("w", 1, 3, 96, "model.", "").tensors
+        >>> LoadReport("w", 1, 1, 3, 96, "model.", "").tensors
         3
     """
 
@@ -56,6 +56,8 @@ class LoadReport:
     """The folder or file read."""
     files: int
     """Safetensors files in the source."""
+    files_read: int
+    """Files this rank read tensor data from (those holding its shards)."""
     tensors: int
     """State-dict entries of this rank filled from the files."""
     bytes_read: int
@@ -75,7 +77,7 @@ def weight_files(source: Union[str, os.PathLike]) -> dict[str, Path]:
     """
     path = Path(source)
     if path.is_file() and path.suffix == ".safetensors":
-        return {key: path for key in _keys(path)}
+        return {key: path for key in _keys(path, source)}
     index = path / INDEX_FILENAME
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map")
@@ -90,7 +92,7 @@ def weight_files(source: Union[str, os.PathLike]) -> dict[str, Path]:
             )
         return {key: files[name] for key, name in weight_map.items()}
     if (path / SINGLE_FILENAME).is_file():
-        return {key: path / SINGLE_FILENAME for key in _keys(path / SINGLE_FILENAME)}
+        return {key: path / SINGLE_FILENAME for key in _keys(path / SINGLE_FILENAME, source)}
     raise HybridConfigError(
         f"`pretrained_weights={str(source)!r}` is not a safetensors source: give a folder holding {SINGLE_FILENAME}"
         f" or {INDEX_FILENAME} (what `save_pretrained` and `lightning-hybrid consolidate` write), or a .safetensors"
@@ -98,16 +100,26 @@ def weight_files(source: Union[str, os.PathLike]) -> dict[str, Path]:
     )
 
 
-def _open(file: Path) -> Any:
-    """safetensors' lazy reader of ``file`` (a context manager; nothing is read until asked). Imported here: safetensors
-    is an optional dependency (the ``hf`` extra), checked with ``pretrained_weights`` (``config.py``)."""
+def _open(file: Path, source: Union[str, os.PathLike]) -> Any:
+    """safetensors' lazy reader of ``file`` (a context manager; nothing is read until asked), or a
+    :class:`HybridConfigError` naming the file when its header cannot be read (safetensors checks there that the file
+    holds all the data the header describes). Imported here: safetensors is an optional dependency (the ``hf``
+    extra), checked with ``pretrained_weights`` (``config.py``)."""
     from safetensors import safe_open
 
-    return safe_open(str(file), framework="pt")
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as error:  # safetensors' SafetensorError lives in its private Rust module
+        size = file.stat().st_size if file.is_file() else 0
+        raise HybridConfigError(
+            f"`pretrained_weights={str(source)!r}`: the file {file} ({size:,} bytes) is not a readable safetensors"
+            f" file ({error}): it is damaged or incomplete, as an interrupted download or copy leaves it. Download"
+            " or copy that file again (its size must match the source's)."
+        ) from error
 
 
-def _keys(file: Path) -> list[str]:
-    with _open(file) as handle:
+def _keys(file: Path, source: Union[str, os.PathLike]) -> list[str]:
+    with _open(file, source) as handle:
         return list(handle.keys())
 
 
@@ -258,7 +270,7 @@ def load_pretrained(
         with raise_together():
             files = weight_files(source)
             keys = set(files)
-            handles = {f: stack.enter_context(_open(f)) for f in set(files.values())}
+            handles = {f: stack.enter_context(_open(f, source)) for f in sorted(set(files.values()))}
             scores = prefix_scores(names, keys) if key_map is None else {}
         # 1. the prefix swap, over every rank's names: a pipeline stage alone may not tell which one is right
         total: dict[tuple[str, str], int] = {}
@@ -280,10 +292,11 @@ def load_pretrained(
         _check_fit(where, module, keys, prefixes, gathered, checks_unexpected=key_map is None)
         # 4. this rank's slabs only; tensors that share storage (weights tied on this rank) are read once
         with raise_together():
-            read_bytes = _read_slabs(state, found, files, handles)
+            read_bytes, read_from = _read_slabs(state, found, files, handles)
     return LoadReport(
         source=str(source),
         files=len(set(files.values())),
+        files_read=len(read_from),
         tensors=len(found),
         bytes_read=read_bytes,
         module_prefix=prefixes[0],
@@ -324,10 +337,12 @@ def _check_fit(
         )
 
 
-def _read_slabs(state: dict[str, Tensor], found: dict[str, str], files: dict[str, Path], handles: dict) -> int:
-    """Copy each tensor's local slabs from the files; returns the bytes read."""
+def _read_slabs(
+    state: dict[str, Tensor], found: dict[str, str], files: dict[str, Path], handles: dict
+) -> tuple[int, set[Path]]:
+    """Copy each tensor's local slabs from the files; returns the bytes read and the files they came from."""
     done: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    read_bytes = 0
+    read_bytes, read_from = 0, set()
     for name, key in found.items():
         target = state[name]
         local = target.to_local() if isinstance(target, DTensor) else target
@@ -341,7 +356,8 @@ def _read_slabs(state: dict[str, Tensor], found: dict[str, str], files: dict[str
             data = stored[slab] if slab else handle.get_tensor(key)  # a 0-d tensor has no slab to slice
             piece.copy_(data.reshape(piece.shape))  # copy_ casts: bf16 files into fp32 parameters
             read_bytes += data.numel() * data.element_size()
-    return read_bytes
+            read_from.add(files[key])
+    return read_bytes, read_from
 
 
 def load_pretrained_weights(module: nn.Module, source: Optional[str], parallelized: Any) -> Optional[LoadReport]:
@@ -362,6 +378,6 @@ def load_pretrained_weights(module: nn.Module, source: Optional[str], paralleliz
     swap = f" (names {report.module_prefix!r} -> {report.file_prefix!r})" if report.module_prefix else ""
     rank_zero_info(
         f"lightning-hybrid: pretrained weights from {source}{swap}: {report.tensors} tensors, rank 0 read"
-        f" {report.bytes_read / 2**20:.1f} MiB of its shards from {report.files} file(s)"
+        f" {report.bytes_read / 2**20:.1f} MiB of its shards from {report.files_read} of the {report.files} file(s)"
     )
     return report

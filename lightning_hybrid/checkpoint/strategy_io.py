@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._lightning_compat import unwrap_optimizer
+from lightning_hybrid._lightning_compat import saved_inside_epoch, unwrap_optimizer
 from lightning_hybrid.checkpoint.format import read_meta
 from lightning_hybrid.checkpoint.io import (
     LAYOUT_KEY,
@@ -87,7 +87,8 @@ class StrategyCheckpoints:
         checkpoint[LAYOUT_KEY] = strategy.layout.as_dict()
         # str(): torch.__version__ is a TorchVersion, which meta.pt's weights_only load would refuse
         checkpoint[VERSIONS_KEY] = {"torch": str(torch.__version__), "lightning": lightning.__version__}
-        hugging_face = hugging_face_info(strategy.lightning_module)  # lets `consolidate` write a from_pretrained folder
+        # lets `consolidate` write a from_pretrained folder, with the pretrained folder's generation config if any
+        hugging_face = hugging_face_info(strategy.lightning_module, self.options.pretrained_weights)
         if hugging_face is not None:
             checkpoint[HUGGING_FACE_KEY] = hugging_face
         self.writer.save(path, model, optimizer_states, checkpoint, is_rank_zero=strategy.is_global_zero)
@@ -136,12 +137,13 @@ class StrategyCheckpoints:
         )
         saved_dp = read_meta(path, weights_only=weights_only).get(LAYOUT_KEY, {}).get("data_parallel_size")
         data_parallel_size = strategy.layout.data_parallel_size
-        if saved_dp is not None and saved_dp != data_parallel_size:
+        # only a resume inside an epoch counts batches of the saved layout (data.py); between epochs nothing is skipped
+        if saved_dp is not None and saved_dp != data_parallel_size and saved_inside_epoch(meta):
             rank_zero_warn(
-                f"Checkpoint {path} was saved with data_parallel_size={saved_dp}, this run has"
-                f" {data_parallel_size}: model and optimizer state are resharded exactly; a mid-epoch data"
-                " position is restored by skipping the epoch's finished batches, which repeats or skips no sample only"
-                " if the global batch (batch_size x data_parallel_size) is the same as when it was saved."
+                f"Checkpoint {path} was saved inside an epoch with data_parallel_size={saved_dp}, this run has"
+                f" {data_parallel_size}: model and optimizer state are resharded exactly; the epoch goes on after"
+                " skipping the batches it had finished, which repeats or skips no sample only if the global batch"
+                " (the DataLoader's batch_size x data_parallel_size) is the same as when it was saved."
             )
         return meta
 

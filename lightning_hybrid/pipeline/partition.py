@@ -42,13 +42,38 @@ class StagePlan:
     def stages_of(self, pipeline_rank: int) -> list[int]:
         return [s for s, r in enumerate(self.owner) if r == pipeline_rank]
 
-    def format_table(self, unit: str = "params") -> str:
-        lines = [f"  {'stage':>5} {'rank':>4}  blocks        {unit:>12}"]
+    def stage_sums(self, per_block: Sequence[float], first: float = 0.0, last: float = 0.0) -> tuple[float, ...]:
+        """Per stage: the sum of ``per_block`` over its blocks, plus ``first`` on the first stage (the modules before
+        the blocks) and ``last`` on the last (those after them).
+
+        Example:
+            >>> StagePlan((2, 1), (0, 1)).stage_sums([1.0, 2.0, 3.0], first=10.0, last=5.0)
+            (13.0, 8.0)
+        """
+        n = len(self.counts)
+        return tuple(
+            sum(per_block[b] for b in self.blocks(s)) + (first if s == 0 else 0.0) + (last if s == n - 1 else 0.0)
+            for s in range(n)
+        )
+
+    def format_table(self, params: Sequence[float] = (), seconds: Sequence[float] = ()) -> str:
+        """The table printed at start: each stage's pipeline rank, blocks, parameters (``params``, one device's count
+        per stage: :meth:`stage_sums`) and, for a measured partition, its measured seconds.
+
+        Example:
+            >>> print(StagePlan((2, 1), (0, 1)).format_table(params=[1200.0, 800.0]))
+              stage rank  blocks              params
+                  0    0    0-1   ( 2)         1,200
+                  1    1    2-2   ( 1)           800
+        """
+        header = f"  {'stage':>5} {'rank':>4}  blocks        {'params':>12}" + (f" {'seconds':>12}" if seconds else "")
+        lines = [header]
         for s, n in enumerate(self.counts):
             b = self.blocks(s)
-            cost = f"{self.costs[s]:>12,.4g}" if self.costs else ""
-            lines.append(f"  {s:>5} {self.owner[s]:>4}  {b.start:>3}-{b.stop - 1:<3} ({n:>2})  {cost}")
-        return "\n".join(lines)
+            row = f"  {s:>5} {self.owner[s]:>4}  {b.start:>3}-{b.stop - 1:<3} ({n:>2})  "
+            row += f"{params[s]:>12,.0f}" if params else f"{'':>12}"
+            lines.append(row + (f" {seconds[s]:>12,.4g}" if seconds else ""))
+        return "\n".join(line.rstrip() for line in lines)
 
 
 def stage_owner(num_stages: int, pipeline_parallel_size: int, style: str = "loop") -> tuple[int, ...]:

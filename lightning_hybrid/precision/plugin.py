@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_hybrid._lightning_compat import convert_fp_tensor, module_trainer, wrap_closure
 from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.dtensor import local_tensor
 from lightning_hybrid.precision.loss_scaler import DynamicLossScaler
 
 __all__ = ["HybridPrecision", "OptimizerStepState", "PRECISIONS", "check_supported"]
@@ -245,8 +246,14 @@ class HybridPrecision(Precision):
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
         # manual optimization clips before the step: the spine reduces (and unscales) the gradients first
         state = self._gradients_for_clipping(optimizer) if self._gradients_for_clipping is not None else self._step
-        if not state.found_inf:
-            super().clip_grad_by_value(optimizer, clip_val)
+        if state.found_inf:
+            return
+        # elementwise, so each rank clamps its own part of each reduced gradient (a DTensor's local shard): torch's
+        # clip_grad_value_ clamps them all in one foreach call, which refuses tensor-parallel DTensors mixed with
+        # plain tensors (the replicated norms)
+        for p in self.main_params(optimizer):
+            if p.grad is not None:
+                local_tensor(p.grad).clamp_(min=-clip_val, max=clip_val)
 
     # ------------------------------------------------------------------ checkpoints
     @override
