@@ -37,7 +37,15 @@ from lightning_hybrid._hooks import first_tensor, tensors_in
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.partition import StagePlan
 
-__all__ = ["UnsplitForward", "contiguous_gradient", "map_tensors", "meta_copy", "to_meta", "trace_unsplit_forward"]
+__all__ = [
+    "UnsplitForward",
+    "contiguous_gradient",
+    "detached",
+    "map_tensors",
+    "meta_copy",
+    "to_meta",
+    "trace_unsplit_forward",
+]
 
 Shape = tuple[int, ...]
 
@@ -79,6 +87,9 @@ def map_tensors(fn: Callable[[Tensor], Tensor]) -> Callable[[Any], Any]:
 
 to_meta = map_tensors(lambda t: torch.empty_like(t, device="meta"))
 """A call's arguments with every tensor replaced by a meta tensor of its shape and dtype."""
+
+detached = map_tensors(lambda t: t.detach())
+"""A call's arguments with every tensor detached from the graph that made it."""
 
 
 class _ContiguousGradient(torch.autograd.Function):
