@@ -14,7 +14,8 @@ network, counts its calls on ``self``, logs with every ``reduce_fx``. :class:`St
 * ``"views"``: two views of each sample (the second drawn at random before the calls), cross-entropy on the first and
   a consistency term between the two calls' log-probabilities (an MSE on them).
 
-Every shape counts its calls on ``self`` and appends to a list (side effects), logs its loss with ``reduce_fx`` sum,
+Every shape counts its calls on ``self`` and appends to a list before its network call and to another after it (side
+effects), logs its loss with ``reduce_fx`` sum,
 mean, max and min (``sync_dist``), a value with an explicit ``batch_size`` and a torchmetrics object, in training and
 validation; ``predict_step`` returns the argmax of the logits. ``run_step_shapes`` runs one scenario in a shared launch:
 each call of the step sees two samples and an optimizer step takes two calls per replica, whatever the layout (a
@@ -59,6 +60,7 @@ class StepShapes(L.LightningModule):
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=VOCAB, average="micro")
         self.calls = 0
         self.seen: list[int] = []
+        self.after: list[int] = []
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -99,8 +101,9 @@ class StepShapes(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.calls += 1
-        loss, _, _ = self._loss(batch)
         self.seen.append(batch_idx)
+        loss, _, _ = self._loss(batch)
+        self.after.append(batch_idx)  # after the network: the earlier pipeline stages run this on stand-ins
         for fx in ("sum", "mean", "max", "min"):
             self.log(f"train_loss_{fx}", loss, on_step=False, on_epoch=True, reduce_fx=fx, sync_dist=True)
         self.log("train_loss_sized", loss, on_step=False, on_epoch=True, batch_size=len(batch[0]), sync_dist=True)
@@ -143,7 +146,10 @@ def run_step_shapes(scenario: dict[str, Any], out_dir: Path) -> None:
     data = make_dataset()
     evaluation = DataLoader(Subset(data, range(2 * VAL_CALLS * CALL_SAMPLES)), batch_size=batch_size)
     trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=True), val_dataloaders=evaluation)
-    fitted = {"calls": module.calls, "seen": list(module.seen), "epoch_values": _floats(trainer.callback_metrics)}
+    runner = getattr(getattr(trainer.strategy, "parallelized", None), "runner", None)
+    fitted = {"calls": module.calls, "seen": list(module.seen), "after": list(module.after),
+              "holds_output": runner is None or runner.last_stage in runner.stages,
+              "epoch_values": _floats(trainer.callback_metrics)}  # fmt: skip
     predictions = trainer.predict(module, dataloaders=DataLoader(Subset(data, range(8)), batch_size=batch_size))
     record = {
         **fitted,

@@ -16,6 +16,7 @@ import torch
 from tests.conftest import launched, relative_error, share
 
 TOLERANCE = 1e-5
+READS_OUTPUT = {"draws"}  # shapes whose step reads values of the network's output (a boolean mask's selection)
 LOGGED_TOLERANCE = 1e-6
 _OFF = {"verify_pipeline": False, "verify_tensor_parallel": False}
 _PP2 = {"pipeline_parallel_size": 2, "num_microbatches": 2}
@@ -55,9 +56,10 @@ for _world in (2, 4, 8):
 @pytest.mark.parametrize("case", LAYOUTS, ids=[c["name"] for c in LAYOUTS])
 def test_step_runs_as_under_ddp(shared_groups, case: dict[str, Any]) -> None:
     """Every rank of the layout counts the calls ``"ddp"``'s rank of its data-parallel index counts (the counter and
-    the list on ``self``), ends the epoch with its logged values (every ``reduce_fx``, an explicit ``batch_size``, a
-    torchmetrics object in validation), predicts what it predicts (the argmax of the logits), and the trained weights
-    agree with it (the random draws, both calls and the frozen network included)."""
+    the lists on ``self`` appended before and after the network call), ends the epoch with its
+    logged values (every ``reduce_fx``, an explicit ``batch_size``, a torchmetrics object in validation), predicts
+    what it predicts (the argmax of the logits), and the trained weights agree with it (the random draws, both calls
+    and the frozen network included)."""
     reference_case = REFERENCES[case["shape"]]
     if not launched(reference_case["name"]):
         pytest.skip("the ddp reference is not launched in this pytest run (--scenarios)")
@@ -67,7 +69,15 @@ def test_step_runs_as_under_ddp(shared_groups, case: dict[str, Any]) -> None:
         want = reference[got["data_rank"]]
         where = f"{case['name']} rank {rank}"
         assert got["calls"] == want["calls"] == 6, f"{where}: training_step ran {got['calls']} times"
-        assert got["seen"] == want["seen"], f"{where}: the list on self"
+        # each micro-batch's call gets the index of the batch it is part of (the loop's): "ddp"'s calls count on
+        microbatches = 1 if isinstance(case["strategy"], str) else case["strategy"].get("num_microbatches", 1)
+        assert got["seen"] == [i // microbatches for i in want["seen"]], f"{where}: the list appended before the call"
+        # after the network call: on every rank, the earlier pipeline stages on stand-ins, where a value read of the
+        # output ("draws" indexes the logits with its boolean mask) ends the step (docs/step-semantics.md)
+        after = [i // microbatches for i in want["after"]]
+        if case["shape"] in READS_OUTPUT and not got["holds_output"]:
+            after = []
+        assert got["after"] == after, f"{where}: the list appended after the network call"
         assert got["epoch_values"].keys() == want["epoch_values"].keys(), where
         for key, value in want["epoch_values"].items():
             error = abs(got["epoch_values"][key] - value) / max(abs(value), 1e-12)

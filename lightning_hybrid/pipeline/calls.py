@@ -5,7 +5,8 @@ call of the network: the code before the call (random draws, counters, prints) r
 arguments are known on every rank. The ranks that do not hold the last stage then resume each step with stand-ins for
 the output (pipeline/stand_in.py) up to its last call, to learn the arguments of the step's other calls (a second
 view, the rejected half of a preference pair), whose first stages they compute; the last stage resumes each step with
-the real output when the schedule reaches it.
+the real output when the schedule reaches it, and the other ranks run the code after each step's last call on
+stand-ins once the schedule is done: every rank runs every micro-batch's step once, to its end.
 
 How many calls a step makes, and what shape and dtype each call's activation has at each stage boundary, must be the
 same on every rank before the schedule is built (torch's stages allocate their receive buffers by them), but only the
@@ -62,7 +63,7 @@ def run_past_calls(
     until: Optional[int],
 ) -> tuple[list[int], Optional[str], Optional[str]]:
     """Resume each paused step (in micro-batch order, each in its own random stream) with ``stand_in(call)`` for its
-    calls' outputs, up to its ``until``-th call, where it is ended (None: to its end). Returns the calls each step
+    calls' outputs, up to its ``until``-th call, where it stays paused (None: to its end). Returns the calls each step
     made, where a step stopped early (a value read of a stand-in), and a refusal (a call whose arguments are
     computed from an earlier call's output).
 
@@ -76,12 +77,11 @@ def run_past_calls(
         streams.use(("after", i))
         while step.pending is not None:
             if until is not None and len(step.calls) >= until:
-                step.end()
                 break
             output = stand_in(step.pending)
             if output is None:
                 stopped = stopped or "the network's output could not be computed on meta tensors to stand in for it"
-                step.end()
+                step.end()  # the code after the call cannot run here: the step ends at the call
                 break
             try:
                 step.resume(output)

@@ -36,7 +36,7 @@ from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.metrics import MetricMirror
-from lightning_hybrid.pipeline.boundaries import detached, to_meta
+from lightning_hybrid.pipeline.boundaries import detached
 from lightning_hybrid.pipeline.calls import CallPlan, agree_on_plan, run_past_calls
 from lightning_hybrid.pipeline.logged import LogCollector, log_dtype, merge_records, scalar_means
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
@@ -51,7 +51,7 @@ from lightning_hybrid.pipeline.paused import (
 from lightning_hybrid.pipeline.random_streams import RandomStreams
 from lightning_hybrid.pipeline.schedule import boundaries, build_schedule
 from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
-from lightning_hybrid.pipeline.stand_in import stand_in_for
+from lightning_hybrid.pipeline.stand_in import StandInOutputs
 from lightning_hybrid.pipeline.step_data import ActionTimer, StepContext, StepResults, StepTimeline
 from lightning_hybrid.pipeline.verify import FirstStepChecks, PipelineVerifier, projection
 from lightning_hybrid.pipeline_schedules import SCHEDULES, SPLIT_BACKWARD
@@ -99,7 +99,7 @@ class PipelineRunner:
         """The module's torchmetrics objects, updated on the last stage and mirrored on the others."""
         self._threads = StepThreads()
         self._streams = RandomStreams(device)
-        self._meta_outputs: dict[tuple, Any] = {}
+        self._stand_in = StandInOutputs(split.unsplit, device)
         self.verifier: Optional[PipelineVerifier] = None
         """``verify_pipeline``: compares the first batch with an unsplit forward (the strategy sets it)."""
         self.explain_step_failure: Optional[Callable[[BaseException], Optional[Exception]]] = None  # parallelize
@@ -171,6 +171,9 @@ class PipelineRunner:
                 self._streams.use("network")
                 self._execute(step, schedule, training)
                 self._timer.end()
+                if not last:  # the code after the steps' last network call, on stand-ins: the output is not here
+                    with self._metrics.unchanged():
+                        run_past_calls(step.steps, self._stand_in, self._streams, until=None)
         finally:
             for paused in step.steps:  # a step left paused by an error: its thread ends it
                 paused.end()
@@ -233,7 +236,8 @@ class PipelineRunner:
         first = step.steps[0].calls[0]
         # keyed by the network inputs' shapes, so the boundaries are found again only when they change
         shapes = tuple((tuple(t.shape), t.dtype) for t in tensors_in((first.args, first.kwargs)))
-        key = (training, len(step.microbatches), shapes, torch.is_autocast_enabled(self.device.type))
+        # and by the step: each step function may call the network a different number of times
+        key = (step.mode, len(step.microbatches), shapes, torch.is_autocast_enabled(self.device.type))
         cached = self._cache.get(key)
         if cached is None:
             plan = self._learn_plan(step)
@@ -295,22 +299,6 @@ class PipelineRunner:
         self._differentiated = plan.differentiated
         return plan
 
-    def _stand_in(self, call: NetworkCall) -> Any:
-        """Stand-ins for the network's output on ``call``'s arguments: its meta forward (the unsplit copy), cached
-        per input signature; None where it cannot run on meta tensors."""
-        unsplit = self.split.unsplit
-        if unsplit is None:
-            return None
-        key = (tuple((tuple(t.shape), t.dtype) for t in tensors_in((call.args, call.kwargs))), call.state.autocast)
-        if key not in self._meta_outputs:
-            try:
-                with torch.no_grad(), call.state.applied():
-                    self._meta_outputs[key] = unsplit(*to_meta(call.args), **to_meta(call.kwargs))
-            except Exception:  # a forward that reads values cannot run on meta tensors
-                self._meta_outputs[key] = None
-        meta = self._meta_outputs[key]
-        return stand_in_for(meta, self.device) if meta is not None else None
-
     # ------------------------------------------------------------------ the schedule's run
     def _execute(self, step: StepContext, schedule: Any, training: bool) -> None:
         """One run of the schedule over ``step``'s micro-batches on this rank's stages, which read ``step``."""
@@ -343,8 +331,12 @@ class PipelineRunner:
         step = StepContext(first.mode, first.microbatches, first.extra, first.steps, self._run_stage)
         step.calls, step.probe = first.calls, probe
         step.records, step.weights = [[] for _ in range(m)], [1.0] + [0.0] * (m - 1)
+        # a stage failing on the probe is reported on every rank, as in the real step (which is checked again)
+        step.checks = FirstStepChecks(self.network, self.split, differentiated=self._differentiated)
         with verifier.deterministic(self.module, verifier.reference):
             self._execute(step, schedule, True)
+            step.checks.check_gradients(self.stages)
+            step.checks.raise_together()
             norm = verifier.gradient_norm(self.module)
             for p in self.module.parameters():
                 p.grad = None
@@ -365,7 +357,6 @@ class PipelineRunner:
         checks = step.checks
         if checks is None:
             return self._stage_forward(step, stage, mb, got)
-        checks.begin()
         try:
             out = self._stage_forward(step, stage, mb, got)
         except Exception as error:
@@ -404,7 +395,9 @@ class PipelineRunner:
             )
             return outs if len(outs) > 1 else outs[0]
         if step.probe is not None:  # verify_pipeline: a projection of the output, every call slot connected
-            outs = [self._partial_forward(step, stage, r, step.probe) for r in received or ()]
+            outs = [self._partial_forward(step, stage, r, step.probe) for r in received or (None,)]
+            if step.checks is not None and mb == 0:
+                step.checks.check_network_output(outs[0])
             value = projection(outs[0]) + sum(projection(o) * 0 for o in outs[1:])
             step.losses.append(value.detach())
             return (value.float() * step.weights[mb]).reshape(1)  # type: ignore[index]
@@ -460,6 +453,8 @@ class PipelineRunner:
         reading ``step.active``), under the thread state the step called it with: the stage's output activation, or
         the network's output on the last stage."""
         step.active = (stage, received)
+        if step.checks is not None:  # each call runs the network's forward from its start
+            step.checks.begin()
         try:
             with self.split.active(stage), call.state.applied():
                 return self._network_forward(*call.args, **call.kwargs)

@@ -17,10 +17,11 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_hybrid._hooks import tensors_in
 from lightning_hybrid._torch_compat import DISABLED_TORCH_FUNCTION, make_wrapper_subclass, tree_map
-from lightning_hybrid.pipeline.boundaries import map_tensors
+from lightning_hybrid.pipeline.boundaries import map_tensors, to_meta
 
-__all__ = ["StandIn", "StandInRead", "contains_stand_in", "stand_in_for"]
+__all__ = ["StandIn", "StandInOutputs", "StandInRead", "contains_stand_in"]
 
 
 class StandInRead(BaseException):
@@ -82,9 +83,36 @@ class StandIn(Tensor):
         return tree_map(lambda t: StandIn(t, where) if isinstance(t, Tensor) and t.device.type == "meta" else t, out)
 
 
-def stand_in_for(meta_output: Any, device: torch.device) -> Any:
-    """The network's output as stand-ins on ``device``, from its output on meta tensors (same structure)."""
-    return map_tensors(lambda t: StandIn(t.detach(), device))(meta_output)
+class StandInOutputs:
+    """Stand-ins for a network's output on a call's arguments: the forward of ``unsplit`` (its copy on the meta device,
+    taken before the cut) on meta copies of them, under the call's thread state, cached per input signature; None
+    where that forward cannot run on meta tensors (it reads values) or there is no copy.
+
+    Example:
+        >>> from torch import nn
+        >>> from lightning_hybrid.pipeline.boundaries import meta_copy
+        >>> from lightning_hybrid.pipeline.paused import NetworkCall, ThreadState
+        >>> outputs = StandInOutputs(meta_copy(nn.Linear(3, 2)), torch.device("cpu"))
+        >>> outputs(NetworkCall((torch.ones(4, 3),), {}, ThreadState.capture())).shape
+        torch.Size([4, 2])
+    """
+
+    def __init__(self, unsplit: Optional[torch.nn.Module], device: torch.device) -> None:
+        self.unsplit, self.device = unsplit, device
+        self._meta: dict[tuple, Any] = {}
+
+    def __call__(self, call: Any) -> Any:
+        if self.unsplit is None:
+            return None
+        key = (tuple((tuple(t.shape), t.dtype) for t in tensors_in((call.args, call.kwargs))), call.state.autocast)
+        if key not in self._meta:
+            try:
+                with torch.no_grad(), call.state.applied():
+                    self._meta[key] = self.unsplit(*to_meta(call.args), **to_meta(call.kwargs))
+            except Exception:  # a forward that reads values cannot run on meta tensors
+                self._meta[key] = None
+        meta = self._meta[key]
+        return map_tensors(lambda t: StandIn(t.detach(), self.device))(meta) if meta is not None else None
 
 
 def contains_stand_in(obj: Any) -> bool:
