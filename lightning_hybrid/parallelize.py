@@ -135,6 +135,8 @@ class Parallelized:
         naming the module and the plan without it (``tensor_parallel/failures.py``); other errors pass unchanged."""
         try:
             yield
+        except HybridConfigError:  # the strategy's own finding (a first-step check): said as it is
+            raise
         except Exception as error:
             plan = self.tensor_parallel_plan
             explained = None
