@@ -62,6 +62,8 @@ __all__ = [
     "tree_map",
     "unboxed_process_group",
     "unboxed_work",
+    "make_wrapper_subclass",
+    "DISABLED_TORCH_FUNCTION",
 ]
 
 # --- DTensor --------------------------------------------------------------------------------------------------------
@@ -421,3 +423,22 @@ def storage_identity(t: Tensor) -> int:
 # (``_no_grad_trunc_normal_`` is what the public ``trunc_normal_`` calls). Checked on torch 2.11 and 2.13. Public
 # replacement: none.
 META_SKIPPING_INITIALIZERS = ("_no_grad_trunc_normal_", "dirac_", "orthogonal_", "sparse_")
+
+
+# --- tensor subclasses (pipeline/stand_in.py) ------------------------------------------------------------------------
+
+# ``torch.Tensor._make_wrapper_subclass``: a tensor object with a shape, dtype and device but no storage of its own,
+# whose operations ``__torch_dispatch__`` serves (how DTensor and FakeTensor are made). Checked on torch 2.11 and 2.13.
+# Public replacement: none (torch's documentation of tensor subclasses uses it).
+def make_wrapper_subclass(cls: type, like: Tensor, device: torch.device) -> Tensor:
+    """An instance of ``cls`` shaped, strided and typed as ``like``, on ``device``, holding no data."""
+    return Tensor._make_wrapper_subclass(
+        cls, like.size(), strides=like.stride(), storage_offset=like.storage_offset(), dtype=like.dtype,
+        layout=like.layout, device=device, requires_grad=like.requires_grad,
+    )  # fmt: skip
+
+
+# ``torch._C._disabled_torch_function_impl``: a subclass's ``__torch_function__`` that leaves every call to
+# ``__torch_dispatch__`` (without it each call first goes through the Python subclass machinery). Checked on torch 2.11
+# and 2.13. Public replacement: none.
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl

@@ -24,6 +24,7 @@ from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.data import check_replica_batches
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.gradients import check_gradient_norm_hooks
+from lightning_hybrid.pipeline.logged import REDUCTIONS
 
 if TYPE_CHECKING:
     from lightning_hybrid.parallelize import Parallelized
@@ -148,10 +149,11 @@ def run_step(
                 )
             )
         explained = parallelized.explained_failures if parallelized is not None else lambda _: nullcontext()
+        checked: AbstractContextManager = nullcontext()
         if name == "training_step" and parallelized is not None and parallelized.first_step_unchecked:
-            with explained(module):  # verify_tensor_parallel, context parallel's probe of the loss
-                parallelized.verify_first_step(module, name, args, kwargs)
-        with plain_logging(module, data_group, context_group), explained(module):
+            # context parallel's probe of the loss before the step; verify_tensor_parallel at its network call
+            checked = parallelized.first_step_checked(module, name, args, kwargs)
+        with plain_logging(module, data_group, context_group), explained(module), checked:
             output = getattr(module, name)(*args, **kwargs)
     return plain(output)
 
@@ -202,12 +204,6 @@ def sync_over(log_kwargs: dict[str, Any], group: Any) -> dict[str, Any]:
     return log_kwargs
 
 
-# Lightning's reduce_fx names (and the torch functions it accepts) -> the collective over the context ranks
-_CONTEXT_REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean", "sum": "sum",
-                                       torch.sum: "sum", "max": "max", torch.max: "max", "min": "min",
-                                       torch.min: "min"}  # fmt: skip
-
-
 def context_reduced(value: Any, log_kwargs: dict[str, Any], group: Any) -> Any:
     """A value a step logs, reduced over the context-parallel ranks of its replica with its ``reduce_fx`` (mean by
     default): together they hold one replica's batch, each a part of its sequence, so each rank's own value is a
@@ -223,7 +219,7 @@ def context_reduced(value: Any, log_kwargs: dict[str, Any], group: Any) -> Any:
     if group is None or not isinstance(value, (torch.Tensor, int, float)) or isinstance(value, bool):
         return value
     reduce_fx = log_kwargs.get("reduce_fx", "mean")
-    how = _CONTEXT_REDUCTIONS.get(reduce_fx) if isinstance(reduce_fx, str) or callable(reduce_fx) else None
+    how = REDUCTIONS.get(reduce_fx) if isinstance(reduce_fx, str) or callable(reduce_fx) else None
     if how is None:
         raise HybridConfigError(
             f"`self.log(..., reduce_fx={reduce_fx!r})` under context parallel: a value each context rank computes on"

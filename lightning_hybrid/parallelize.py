@@ -43,7 +43,7 @@ from lightning_hybrid.tensor_parallel import (
     validate_tensor_parallel_plan,
 )
 from lightning_hybrid.tensor_parallel.failures import explain_forward_failure, explain_logits_failure
-from lightning_hybrid.tensor_parallel.verify import verify_first_step
+from lightning_hybrid.tensor_parallel.verify import verified_at_first_call
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -111,17 +111,21 @@ class Parallelized:
         """A first-step check is still to run (``verify_tensor_parallel``, or context parallel's probe)."""
         return self.verifier is not None or self.context_probe is not None
 
-    def verify_first_step(self, module: nn.Module, mode: str, args: tuple, kwargs: dict) -> None:
-        """``verify_tensor_parallel`` at the first training step, before the real one (collective; then off); under
-        context parallel, the probe of the step's loss (context_parallel/verify.py)."""
+    @contextmanager
+    def first_step_checked(self, module: nn.Module, mode: str, args: tuple, kwargs: dict) -> Iterator[None]:
+        """The first training step's checks around the step (collective; then off): under context parallel, the
+        probe of the step's loss first (context_parallel/verify.py); ``verify_tensor_parallel`` at the step's first
+        call of the network, on its arguments (tensor_parallel/verify.py)."""
         verifier, self.verifier = self.verifier, None
         probe, self.context_probe = self.context_probe, None
         if probe is not None:
             probe.check_step(module, mode, args, kwargs)
-        if verifier is None or not getattr(module, "automatic_optimization", True):
-            return  # a manual step calls the optimizers itself: running it twice would step them twice
+        if verifier is None:
+            yield
+            return
         network = module.get_submodule(self.structure.network_name or "")
-        verify_first_step(verifier, module, network, mode, args, kwargs)
+        with verified_at_first_call(verifier, module, network):
+            yield
 
     @contextmanager
     def explained_failures(self, module: nn.Module) -> Iterator[None]:
@@ -129,6 +133,8 @@ class Parallelized:
         naming the module and the plan without it (``tensor_parallel/failures.py``); other errors pass unchanged."""
         try:
             yield
+        except HybridConfigError:  # the strategy's own finding (a first-step check): said as it is
+            raise
         except Exception as error:
             plan = self.tensor_parallel_plan
             explained = None

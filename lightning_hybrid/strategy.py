@@ -364,9 +364,8 @@ class HybridStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Leave nothing running: also after an exception (Lightning tears down then too), every step below runs, and
-        the first error is raised at the end. Nothing here is collective: after an error, other ranks may not come.
-        The process groups themselves are destroyed at exit (see ``setup_environment``)."""
+        """Leave nothing running, also after an exception (Lightning tears down then too); nothing here is collective:
+        after an error, other ranks may not come. The process groups are destroyed at exit (``setup_environment``)."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         if self.lightning_module is not None:
@@ -375,6 +374,7 @@ class HybridStrategy(ParallelStrategy):
             OptimizerStep.release_schedulers(self.lightning_module)
         if self._optimizer_step is not None:  # gradient hooks hold the model from C++, where gc cannot free it
             self._optimizer_step.gradients.close()  # (bucket all-reduces in flight after an error are not waited on)
+        self._pipeline.close() if self._pipeline is not None else None  # the paused steps' worker threads
         if self._topology is not None:
             self._topology.watchdog.stop()
         release_quieted()  # Lightning's warning about a loader resumed mid-epoch, silenced where it was restored

@@ -539,8 +539,15 @@ def _run_extras(scenario: dict[str, Any], out_dir: Path) -> None:
     run_extras(scenario, out_dir)
 
 
+def _run_step_shapes(scenario: dict[str, Any], out_dir: Path) -> None:
+    from tests.step_shapes import run_step_shapes
+
+    run_step_shapes(scenario, out_dir)
+
+
 RUNNERS = {
     "features": run_features,
+    "feature_step_shapes": _run_step_shapes,
     "feature_loops": run_loops,
     "feature_manual": run_manual,
     "feature_data": _run_data,

@@ -134,14 +134,20 @@ class MetricMirror:
 
     @contextmanager
     def unchanged(self) -> Iterator[None]:
-        """Metric states as they were before, after the block: for runs of the user's step that are checks, not
-        training (``verify_pipeline``'s step and its unsplit reference), whose updates must not count."""
-        saved = {name: (m._copy_state_dict(), m._update_count, m._forward_cache) for name, m in self.metrics.items()}
+        """Metrics as they were before, after the block: for runs of the user's step whose updates must not count (on
+        stand-ins for the network's output, on the stages that do not compute it; a check's run). Every attribute is
+        put back, the states as copies: an update interrupted midway (a stand-in's value read inside ``forward``)
+        leaves torchmetrics' own flags (``_to_sync``, ``_should_unsync``) as they were mid-call."""
+        saved = {name: (m._copy_state_dict(), dict(m.__dict__)) for name, m in self.metrics.items()}
         try:
             yield
         finally:
-            for name, (state, count, cache) in saved.items():
-                _set_state(self.metrics[name], state, count, cache)
+            for name, (state, attributes) in saved.items():
+                metric = self.metrics[name]
+                metric.__dict__.clear()
+                metric.__dict__.update(attributes)
+                for attr, value in state.items():
+                    setattr(metric, attr, value)
 
     def referenced(self, records: list[tuple[str, Any, tuple, dict]]) -> list[tuple[str, Any, tuple, dict]]:
         """``records`` (logged name, value, args, kwargs) with each metric object named instead (:meth:`resolved`

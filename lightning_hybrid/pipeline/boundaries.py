@@ -19,7 +19,7 @@ The same forward records what each block returns (:attr:`UnsplitForward.outputs`
 blocks return (pipeline/stage.py ``SkippedBlock``); which values a block reads from another block or an input module
 outside the hidden state (pipeline/connections.py: a cut between the two is refused); and which parameters one
 device's forward uses: a parameter its output does not depend on (a ViT's ``mask_token``, read only when a mask is
-passed) gets no gradient on one device either, and the first step's checks (pipeline/verify.py) do not ask one of it.
+passed) gets no gradient on one device either, and the first step's checks (pipeline/checks.py) do not ask one of it.
 
 c10d sends contiguous buffers, and a block may return a view (a channels-last ``permute``): the runner sends a
 stage's output contiguous, and :func:`contiguous_gradient` does the same for the gradient sent back.
@@ -59,6 +59,7 @@ __all__ = [
     "UnsplitForward",
     "build_output",
     "contiguous_gradient",
+    "detached",
     "map_tensors",
     "meta_copy",
     "to_meta",
@@ -117,6 +118,9 @@ def map_tensors(fn: Callable[[Tensor], Tensor]) -> Callable[[Any], Any]:
 
 to_meta = map_tensors(lambda t: torch.empty_like(t, device="meta"))
 """A call's arguments with every tensor replaced by a meta tensor of its shape and dtype."""
+
+detached = map_tensors(lambda t: t.detach())
+"""A call's arguments with every tensor detached from the graph that made it."""
 
 
 class _ContiguousGradient(torch.autograd.Function):

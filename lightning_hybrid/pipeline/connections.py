@@ -157,7 +157,7 @@ def record_connections(
     def made_by(name: str) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             # one called after the blocks began is placed on the wrong side of them: the first step's checks name it
-            # (pipeline/verify.py: a stand-in ran after the stage's first block)
+            # (pipeline/checks.py: a stand-in ran after the stage's first block)
             if not read:
                 provenance.start(tensors_in(output), Source("input", name=name))
 
@@ -166,7 +166,7 @@ def record_connections(
     def network_output(out: Any) -> None:
         for source in provenance.of(out):
             # another tensor a block returned (router logits, every layer's attentions) is for the first step's check
-            # of the network's output (pipeline/verify.py), which names the field and its own fix
+            # of the network's output (pipeline/checks.py), which names the field and its own fix
             if source.kind != "extra":
                 found.append(Connection(source, None, "output"))
 

@@ -1,7 +1,10 @@
 """What the user's step logs under pipeline parallel: collected per micro-batch on the last stage without Lightning's
-``self.log`` (:class:`LogCollector`), then merged over the micro-batches into one value per name, as a single-device
-step over the whole batch gives for a mean-reduced value: as float64 tensors for the runner's one-tensor broadcast
-(:func:`scalar_means`), or as Python values for its object broadcast (:func:`merge_records`).
+``self.log`` (:class:`LogCollector`), then merged over the micro-batches into one value per name with the name's own
+``reduce_fx`` (:func:`reduction`): a mean weighted by the micro-batches' sizes (a single-device step over the whole
+batch gives it), a sum, a max or a min of their values. Lightning then reduces the steps' values over an epoch with
+the same ``reduce_fx``, so the epoch's value is the one ``"ddp"`` reports with the micro-batches as accumulated
+batches (each a call of the step): a ``"sum"`` counts every micro-batch. As float64 tensors for the runner's
+one-tensor broadcast (:func:`scalar_means`), or as Python values for its object broadcast (:func:`merge_records`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from lightning_hybrid._hooks import attribute_replaced
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.pipeline.step_data import LogRecord
 
-__all__ = ["LogCollector", "log_dtype", "merge_records", "scalar_means"]
+__all__ = ["REDUCTIONS", "LogCollector", "log_dtype", "merge_records", "reduction", "scalar_means"]
 
 
 class LogCollector:
@@ -44,6 +47,25 @@ class LogCollector:
     def installed(self, module: nn.Module) -> Any:
         """``module.log`` is this collector meanwhile (a context manager)."""
         return attribute_replaced(module, "log", self)
+
+
+REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean", "sum": "sum", torch.sum: "sum",
+                              "max": "max", torch.max: "max", "min": "min", torch.min: "min"}  # fmt: skip
+"""Lightning's ``reduce_fx`` names (and the torch functions it accepts) -> the reduction they name."""
+
+
+def reduction(log_kwargs: dict[str, Any]) -> str:
+    """How Lightning reduces a logged value over an epoch's steps (``reduce_fx``, mean by default): ``"mean"``,
+    ``"sum"``, ``"max"`` or ``"min"``; the micro-batches' values merge the same way.
+
+    Example:
+        >>> reduction({"reduce_fx": "sum"}), reduction({})
+        ('sum', 'mean')
+    """
+    try:
+        return REDUCTIONS.get(log_kwargs.get("reduce_fx", "mean"), "mean")
+    except TypeError:  # an unhashable callable: Lightning itself only knows the four
+        return "mean"
 
 
 def log_dtype() -> torch.dtype:
@@ -94,11 +116,15 @@ def scalar_means(
     ):
         if name != merged_name or not _same(args, merged_args) or not _same(kwargs, merged_kwargs):
             return None
-        column = _weighted_column(values, weights, device)
+        how = reduction(kwargs)
+        column = _weighted_column(values, weights if how == "mean" else [1] * len(values), device)
         if column is None:
             return None
-        total = sum(weights)
-        means.append((column.sum() / total) if len(column) > 1 else column[0] / total)
+        if how == "mean":
+            total = sum(weights)
+            means.append((column.sum() / total) if len(column) > 1 else column[0] / total)
+        else:
+            means.append(getattr(column, how)() if len(column) > 1 else column[0])
     return means
 
 
@@ -133,12 +159,16 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def merge_records(per_microbatch: list[list[tuple[str, Any, tuple, dict]]]) -> list[tuple[str, Any, tuple, dict]]:
-    """One record per logged name: the mean over micro-batches, weighted by their ``batch_size`` where one is logged
-    (as a single-device step over the whole batch would give for a mean-reduced quantity), in first-logged order."""
+    """One record per logged name, in first-logged order: merged over micro-batches by its ``reduce_fx`` (a mean
+    weighted by their ``batch_size`` where one is logged, as a single-device step over the whole batch gives it)."""
     out = []
     for name, (values, weights, args, kwargs) in _by_name(per_microbatch).items():
         if all(isinstance(v, (Tensor, float, int)) and not isinstance(v, bool) for v in values):
-            value: Any = float(sum(float(v) * w for v, w in zip(values, weights)) / sum(weights))
+            numbers, how = [float(v) for v in values], reduction(kwargs)
+            if how == "mean":
+                value: Any = float(sum(x * w for x, w in zip(numbers, weights)) / sum(weights))
+            else:
+                value = {"sum": math.fsum, "max": max, "min": min}[how](numbers)
             if not math.isfinite(value):
                 value = float("nan") if math.isnan(value) else value
         else:

@@ -12,7 +12,7 @@ stage those called after it (final norm, head). Registration order is not call o
    keys list the base model's modules in forward order around the block list, and whose head class entries
    (``lm_head``) run after the base model;
 3. **registered**: ``named_modules()`` order (the caller's fallback), checked at the first step by
-   pipeline/verify.py.
+   pipeline/checks.py.
 
 A module the forward calls on both sides of the blocks (or between them) is given to no stage: every stage keeps it,
 as it keeps a bare ``nn.Parameter``, and their gradients are summed (pipeline/shared.py). :func:`io_slots` turns the
@@ -177,7 +177,7 @@ def io_slots(
     registered before the block list is an input, one registered after it an output; the vocabulary head is an output
     wherever it is registered (it maps the blocks' hidden state onto the token embedding's vocabulary; litgpt's
     ``GPT`` registers ``lm_head`` first). A module whose call order differs from that is caught by the checks of
-    the first step (pipeline/verify.py), which refuse the cut instead of training it wrong."""
+    the first step (pipeline/checks.py), which refuse the cut instead of training it wrong."""
     from lightning_hybrid.structure import embedding_and_head
 
     outside = [(n, m) for n, m in network.named_modules() if n != blocks_rel and not n.startswith(blocks_rel + ".")]

@@ -1,18 +1,21 @@
 """Running a LightningModule's step through a pipeline schedule.
 
-One step: split the batch into micro-batches; on every rank, run the user's step until it calls the network, to learn
-the network's inputs per micro-batch (cheap: nothing is computed); run torch's schedule over this rank's stages; on
-the last stage, each micro-batch runs the rest of the user's step (loss, ``self.log``) on the stage's output; the
-step's loss and logged values are then sent to every stage, so Lightning, callbacks and loggers see the real values
-on every rank and nothing waits for a rank that never logs.
+One step, on every rank of a pipeline: split the batch into micro-batches; run each micro-batch's step once, up to
+its call of the network, in micro-batch order (pipeline/paused.py: the code before the call, its random draws and
+side effects, run as on one device, and the call's arguments are known); learn what the step's network calls are
+(pipeline/calls.py: the ranks without the last stage resume the steps with stand-ins up to their last call); run
+torch's schedule over this rank's stages, each stage computing its part of the network for every call; on the last
+stage, each micro-batch's step resumes with the network's output and computes its loss and logs. The step's loss and
+logged values are then sent to every stage, so Lightning, callbacks and loggers see the real values on every rank and
+nothing waits for a rank that never logs. Random draws: pipeline/random_streams.py.
 
 The step is data (pipeline/step_data.py): a :class:`StepContext` handed to each stage module for the schedule's run, and
 a :class:`StepResults` the strategy logs once. The per-step and per-micro-batch work here is on the host's critical
 path (a pipeline step is many short actions): what the user's step logs is collected per micro-batch without
 Lightning's ``self.log`` (pipeline/logged.py), and travels as one small tensor once the logged names are known
-(``_share_results``); the stage swaps are built once (``NetworkSplit.active``); only the micro-batches a rank's
-stages use are captured, under one hook per step; and the received activation goes through an autograd function
-only where the schedule takes input gradients from ``torch.autograd.grad`` (``NetworkSplit.attached``).
+(``_share_results``); the stage swaps are built once (``NetworkSplit.active``); the paused steps run in worker
+threads kept from step to step; and the received activation goes through an autograd function only where the
+schedule takes input gradients from ``torch.autograd.grad`` (``NetworkSplit.attached``).
 """
 
 from __future__ import annotations
@@ -28,30 +31,31 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid._hooks import (
-    capture_call,
-    capture_calls,
-    first_tensor,
-    forward_replaced,
-    tensors_in,
-)
+from lightning_hybrid._hooks import forward_replaced, tensors_in
 from lightning_hybrid._torch_compat import module_parameters
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.metrics import MetricMirror
-from lightning_hybrid.pipeline.boundaries import TensorSpec, UnsplitForward, trace_unsplit_forward
+from lightning_hybrid.pipeline.boundaries import detached
+from lightning_hybrid.pipeline.calls import CallPlan, agree_on_plan, run_past_calls
+from lightning_hybrid.pipeline.checks import FirstStepChecks
 from lightning_hybrid.pipeline.logged import LogCollector, log_dtype, merge_records, scalar_means
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
-from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
-from lightning_hybrid.pipeline.step_data import (
-    ActionTimer,
-    StepContext,
-    StepResults,
-    StepTimeline,
-    TimedStage,
+from lightning_hybrid.pipeline.paused import (
+    NetworkCall,
+    PausedStep,
+    StepThreads,
+    ThreadState,
+    mark_raised_by_the_step,
+    paused_call,
 )
-from lightning_hybrid.pipeline.verify import FirstStepChecks, PipelineVerifier
-from lightning_hybrid.pipeline_schedules import MULTI_STAGE, SCHEDULES, SPLIT_BACKWARD
+from lightning_hybrid.pipeline.random_streams import RandomStreams
+from lightning_hybrid.pipeline.schedule import boundaries, build_schedule, sendable
+from lightning_hybrid.pipeline.stage import NetworkSplit, StageBoundary, StageModule
+from lightning_hybrid.pipeline.stand_in import StandInOutputs
+from lightning_hybrid.pipeline.step_data import ActionTimer, StepContext, StepResults, StepTimeline
+from lightning_hybrid.pipeline.verify import PipelineVerifier, projection
+from lightning_hybrid.pipeline_schedules import SCHEDULES, SPLIT_BACKWARD
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -82,10 +86,9 @@ class PipelineRunner:
         self._network_forward = network.forward
         self.stages = {s: wrap_stage(StageModule(s, split.stage_modules(s))) for s in split.local_stages()}
         self.last_stage = split.num_stages - 1
-        # the last stage reruns the user's step: it needs the captured inputs of micro-batch 0 only (schedule key)
-        self._capture_all = any(s != self.last_stage for s in self.stages)
+        self._holds_last = self.last_stage in self.stages
         self._split_backward = schedule in SPLIT_BACKWARD
-        self._cache: dict[tuple, tuple[Any, dict[int, Tensor], Optional[UnsplitForward]]] = {}
+        self._cache: dict[tuple, tuple[Any, CallPlan, dict[int, tuple[Tensor, ...]]]] = {}
         self._param_tables: Optional[list[dict[str, Optional[nn.Parameter]]]] = None
         self._schema: Optional[list[tuple[str, tuple, dict]]] = None
         """Names, args and kwargs of the last training step's logged records when all were scalars: the next step's
@@ -95,6 +98,10 @@ class PipelineRunner:
         self._log = LogCollector()
         self._metrics = MetricMirror(module)
         """The module's torchmetrics objects, updated on the last stage and mirrored on the others."""
+        self._threads = StepThreads()
+        self._streams = RandomStreams(device)
+        self._stand_in = StandInOutputs(split.unsplit, device)
+        self._traces: tuple[Any, ...] = ()  # per network call of the current plan: the unsplit network's trace
         self.verifier: Optional[PipelineVerifier] = None
         """``verify_pipeline``: compares the first batch with an unsplit forward (the strategy sets it)."""
         self.explain_step_failure: Optional[Callable[[BaseException], Optional[Exception]]] = None  # parallelize
@@ -103,9 +110,8 @@ class PipelineRunner:
         self._checks_pending = True
         self.verification: Optional[dict[str, float]] = None
         """On the rank that ran ``verify_pipeline``'s comparison: the values it compared."""
-        self._sends: dict[int, Tensor] = {}
-        """Per stage of this rank but the last: an example of what it sends (shape and dtype), for the schedule's
-        current network inputs."""
+        self._sends: dict[int, tuple[Tensor, ...]] = {}
+        """Per stage of this rank but the last: an example of what it sends for each network call."""
         self._differentiated: Optional[frozenset[str]] = None
         """The parameters one device's forward differentiates on those inputs (None: not known)."""
         self._sending: Optional[tuple[Any, Tensor]] = None
@@ -115,19 +121,23 @@ class PipelineRunner:
         # gloo runs an asynchronous collective on its own thread, apart from the point-to-point transfers, so the
         # first stage's rank can post its receive of the step's results before its last action (NCCL orders a
         # communicator's operations as issued: there the receive is posted after the schedule, as the peers' are)
-        self._receive_early = (
-            0 in self.stages
-            and self.last_stage not in self.stages
-            and (dist.get_backend(pp_mesh.get_group()) == "gloo")
-        )
-        last_rank = split.plan.owner[self.last_stage]
-        self._last_global_rank = dist.get_global_rank(pp_mesh.get_group(), last_rank)
+        group = pp_mesh.get_group()
+        self._receive_early = 0 in self.stages and not self._holds_last and dist.get_backend(group) == "gloo"
+        self._last_global_rank = dist.get_global_rank(group, split.plan.owner[self.last_stage])
+        # the rank that learns the steps' network calls for everyone: the first one without the last stage (None in
+        # a one-stage pipeline: no boundary to size, the last stage serves every call of its steps)
+        sources = [r for r in range(pp_mesh.size()) if self.last_stage not in split.plan.stages_of(r)]
+        self._source = dist.get_global_rank(group, sources[0]) if sources else None
 
     # ------------------------------------------------------------------ public
     @property
     def timeline(self) -> StepTimeline:
         """This rank's compute actions of the last step."""
         return self._timer.timeline
+
+    def close(self) -> None:
+        """End the worker threads of the paused steps (the strategy's teardown)."""
+        self._threads.close()
 
     def run(self, mode: str, batch: Any, *extra: Any, loss_scale: float = 1.0) -> StepResults:
         """Run ``mode`` (``"training_step"``, ``"validation_step"``, ...) for one batch on this rank's stages; the
@@ -139,31 +149,39 @@ class PipelineRunner:
         size = batch_size_of(batch)
         m = self.num_microbatches if training else _largest_divisor(size or 1, self.num_microbatches)
         microbatches = split_batch(batch, m)
-        with self._log.installed(self.module):
-            used = microbatches if self._capture_all else microbatches[:1]
-            step = StepContext(mode, microbatches, extra, self._capture(mode, used, extra), self._run_stage)
-            step.records, step.loss_scale = [[] for _ in range(m)], loss_scale
-            schedule = self._schedule(training, m, step.captured[0])
-            previous = self._take_gradients() if training else []
-            checks_done = not self._checks_pending
-            if training and self._checks_pending:
-                # the first training step checks the cut before any optimizer step; verify_pipeline does it in a step
-                # of its own, otherwise this step carries the checks
-                self._checks_pending = False
-                step.checks = FirstStepChecks(self.network, self.split, differentiated=self._differentiated)
-                if self.verifier is not None:
-                    self._verify(step, schedule)
-                    step.checks = None
-            self._timer.begin(self._early_receive(m) if training and checks_done else None)
-            last = self.last_stage in self.stages
-            if last:
-                self._metrics.begin()
-            try:
+        step = StepContext(mode, microbatches, extra, [], self._run_stage)
+        step.records, step.loss_scale = [[] for _ in range(m)], loss_scale
+        last = self._holds_last
+        previous = self._take_gradients() if training else []
+        checks_done = not self._checks_pending
+        if last:  # the last stage keeps what the steps add to its metrics, and mirrors it to the others
+            self._metrics.begin()
+        try:
+            with self._log.installed(self.module), forward_replaced(self.network, _network_call):
+                with nullcontext() if last else self._metrics.unchanged():  # runs on stand-ins must not count
+                    self._start_steps(step)
+                    self._streams.begin()
+                    schedule = self._prepare(step, training)
+                if training and self._checks_pending:
+                    # the first training step checks the cut before any optimizer step: verify_pipeline first (a
+                    # projection of the network's output, no user code), then the structural checks in the step
+                    self._checks_pending = False
+                    if self.verifier is not None:
+                        self._verify(step, schedule)
+                    step.checks = FirstStepChecks(self.network, self.split, differentiated=self._differentiated)
+                self._timer.begin(self._early_receive(m) if training and checks_done else None)
+                self._streams.use("network")
                 self._execute(step, schedule, training)
-            finally:
-                if last:
-                    step.metrics = self._metrics.end()
-            self._timer.end()
+                self._timer.end()
+                if not last:  # the code after the steps' last network call, on stand-ins: the output is not here
+                    with self._metrics.unchanged():
+                        run_past_calls(step.steps, self._stand_in, self._streams, until=None)
+        finally:
+            for paused in step.steps:  # a step left paused by an error: its thread ends it
+                paused.end()
+            self._streams.end()
+            if last:
+                step.metrics = self._metrics.end()
         if training:
             if step.checks is not None:
                 step.checks.check_gradients(self.stages)
@@ -192,12 +210,115 @@ class PipelineRunner:
             p.grad = g if p.grad is None else p.grad + g
         self._stashed = []
 
+    # ------------------------------------------------------------------ the steps before the schedule
+    def _start_steps(self, step: StepContext) -> None:
+        """Run each micro-batch's step up to its first network call, in micro-batch order (pipeline/paused.py); what
+        it logs meanwhile is kept on the last stage."""
+        state = ThreadState.capture()
+        run = getattr(self.module, step.mode)
+        for i, microbatch in enumerate(step.microbatches):
+            paused = PausedStep(partial(run, microbatch, *step.extra), self._threads, state)
+            step.steps.append(paused)
+            self._log.sink = step.records[i] if self._holds_last else None
+            try:
+                paused.start()
+            finally:
+                self._log.sink = None
+            if paused.pending is None:
+                raise HybridConfigError(
+                    f"Under pipeline parallel, `{step.mode}` must call the network ({type(self.network).__name__});"
+                    f" micro-batch {i}'s did not. If another module is the network, pass"
+                    " `HybridStrategy(pipeline_network='<its name>')`; if the step calls no network at all, it cannot"
+                    " be pipelined."
+                )
+
+    def _prepare(self, step: StepContext, training: bool) -> Any:
+        """The schedule for this step's network calls (built once per shape of the network's inputs), with the steps
+        of the ranks without the last stage run on to their last call."""
+        first = step.steps[0].calls[0]
+        # keyed by the network inputs' shapes, so the boundaries are found again only when they change
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors_in((first.args, first.kwargs)))
+        # and by the step: each step function may call the network a different number of times
+        key = (step.mode, len(step.microbatches), shapes, torch.is_autocast_enabled(self.device.type))
+        cached = self._cache.get(key)
+        if cached is None:
+            plan = self._learn_plan(step)
+        else:
+            plan = cached[1]
+            if not self._holds_last:
+                counts, _, _ = run_past_calls(step.steps, self._stand_in, self._streams, until=plan.calls)
+                if any(c != plan.calls for c in counts):
+                    raise HybridConfigError(
+                        f"Under pipeline parallel, each `{step.mode}` must call the network the same number of times"
+                        f" for inputs of the same shapes: these micro-batches called it {counts} times, earlier ones"
+                        f" {plan.calls}."
+                    )
+        step.calls = plan.calls
+        if cached is None:
+            schedule, self._sends = build_schedule(
+                self.stages, self.split, plan, name=self.schedule_name, training=training,
+                microbatches=len(step.microbatches), device=self.device, activation_shape=self.activation_shape,
+                group=self.pp_mesh.get_group(), timer=self._timer,
+            )  # fmt: skip
+            self._cache[key] = (schedule, plan, self._sends)
+            return schedule
+        schedule, _, self._sends = cached
+        self._learn(plan)
+        return schedule
+
+    def _learn_plan(self, step: StepContext) -> CallPlan:
+        """What the steps' network calls are, from the source rank to every rank of the pipeline (collective)."""
+        if self._source is None:
+            return CallPlan(calls=0, entering=((),), traces=(None,))
+        found = None
+        if dist.get_rank() == self._source:
+            counts, stopped, refusal = run_past_calls(step.steps, self._stand_in, self._streams, until=None)
+            calls = counts[0]
+            if refusal is None and len(set(counts)) > 1:
+                refusal = f"its micro-batches call the network different numbers of times ({counts})"
+            refusal = f"`{step.mode}` cannot be pipelined: {refusal}." if refusal is not None else None
+            entering: list[tuple] = []
+            traces: list[Any] = []
+            try:
+                for c in range(calls if refusal is None else 0):
+                    call = step.steps[0].calls[c]
+                    specs, trace = boundaries(self.split, self.stages, self._network_forward, call,
+                                              training=self.network.training, device=self.device)  # fmt: skip
+                    entering.append(tuple((spec.shape, spec.dtype) for spec in specs))
+                    traces.append(trace)
+            except HybridConfigError as error:  # the cut does not fit these inputs: every rank refuses alike
+                refusal = str(error)
+            found = CallPlan(calls, tuple(entering), tuple(traces), refusal, stopped)
+        plan = agree_on_plan(found, self._source, self.pp_mesh.get_group())
+        if plan.refusal is None and plan.calls > 1 and self._holds_last and len(self.stages) > 1:
+            plan = CallPlan(plan.calls, refusal=(
+                f"`{step.mode}` cannot be pipelined: it calls the network {plan.calls} times, and under"
+                " `pipeline_schedule="
+                f"'{self.schedule_name}'` the rank holding the last stage holds others too, whose inputs for the"
+                " later calls exist only once the last stage's output of the first call does; use"
+                " `pipeline_schedule='1f1b'` or `'gpipe'`."
+            ))  # fmt: skip
+        if plan.refusal is not None:
+            raise HybridConfigError(plan.refusal)
+        if not self._holds_last and dist.get_rank() != self._source:
+            run_past_calls(step.steps, self._stand_in, self._streams, until=plan.calls)
+        self._learn(plan)
+        return plan
+
+    def _learn(self, plan: CallPlan) -> None:
+        """What the plan's trace of the network shows for these inputs: the parameters one device differentiates,
+        and (the split's) what each stand-in for another stage's block returns."""
+        self._traces = plan.traces
+        trace = plan.traces[0] if plan.traces else None
+        self._differentiated = trace.used if trace is not None else None
+        self.split.learn(trace)
+
+    # ------------------------------------------------------------------ the schedule's run
     def _execute(self, step: StepContext, schedule: Any, training: bool) -> None:
         """One run of the schedule over ``step``'s micro-batches on this rank's stages, which read ``step``."""
         ids = torch.arange(len(step.microbatches), device=self.device)
         args = (ids,) if 0 in self.stages else ()
-        last = self.last_stage in self.stages
-        kwargs: dict[str, Any] = {"target": ids, "losses": []} if last and training else {}
+        kwargs: dict[str, Any] = {"target": ids, "losses": []} if self._holds_last and training else {}
         step.counters = {s: 0 for s in self.stages}
         for module in self.stages.values():
             module.context = step
@@ -209,22 +330,24 @@ class PipelineRunner:
                 module.context = None
 
     def _verify(self, first: StepContext, schedule: Any) -> None:
-        """``verify_pipeline``: a pipeline step in which only micro-batch 0 (the first replica's, on every replica)
-        counts, checked structurally, then its loss and gradient norm against the unsplit copy on one rank. The
-        gradients it makes are dropped; the real step follows unchanged."""
+        """``verify_pipeline``: a pipeline step on micro-batch 0's network call (the first replica's, on every
+        replica) in eval mode, in which only the first micro-batch counts and the last stage returns a fixed random
+        projection of the network's output instead of running the user's step; its value and gradient norm against
+        the unsplit copy's on one rank. The user's code does not run again; the gradients it makes are dropped."""
         verifier = self.verifier
-        assert verifier is not None and first.checks is not None
+        assert verifier is not None
         self.verifier = None
         m = len(first.microbatches)
         verifier.refresh(self.network)
-        microbatch = verifier.common_microbatch(first.microbatches[0])
-        # captured once per micro-batch: the network's inputs may carry a graph of modules outside it (torch's
-        # nn.TransformerEncoder takes the embedding's output), which each micro-batch's backward goes through
-        captured = self._capture(first.mode, [microbatch] * (m if self._capture_all else 1), first.extra)
-        step = StepContext(first.mode, [microbatch] * m, first.extra, captured, self._run_stage)
-        step.records, step.weights, step.checks = [[] for _ in range(m)], [1.0] + [0.0] * (m - 1), first.checks
-        # the check's runs of the user's step must not count in its torchmetrics objects
-        with verifier.deterministic(self.module, verifier.reference), self._metrics.unchanged():
+        call = first.steps[0].calls[0]
+        args, kwargs = verifier.common_microbatch(detached((call.args, call.kwargs)))
+        probe = NetworkCall(args, kwargs, call.state)
+        step = StepContext(first.mode, first.microbatches, first.extra, first.steps, self._run_stage)
+        step.calls, step.probe = first.calls, probe
+        step.records, step.weights = [[] for _ in range(m)], [1.0] + [0.0] * (m - 1)
+        # a stage failing on the probe is reported on every rank, as in the real step (which is checked again)
+        step.checks = FirstStepChecks(self.network, self.split, differentiated=self._differentiated)
+        with verifier.deterministic(self.module, verifier.reference):
             self._execute(step, schedule, True)
             step.checks.check_gradients(self.stages)
             step.checks.raise_together()
@@ -233,81 +356,103 @@ class PipelineRunner:
                 p.grad = None
             reference = None
             if verifier.reference is not None:
-                verifier.reference.to(self.device)  # copied at set-up, before the model moved to its device
+                copy = verifier.reference.to(self.device)  # copied at set-up, before the model moved to its device
                 verifier.measured = (float(step.losses[0]), norm)
-
-                def run_step(forward: Callable) -> Tensor:
-                    with forward_replaced(self.network, forward):
-                        out = getattr(self.module, step.mode)(microbatch, *step.extra)
-                    out = apply_to_collection(out, DTensor, to_plain)
-                    return out if isinstance(out, Tensor) else out["loss"]
-
-                reference = verifier.reference_values(run_step, self.module, self.network)
+                with call.state.applied():
+                    reference = verifier.reference_values(lambda: projection(copy(*args, **kwargs)))
             verifier.compare(reference)
         self.verification = verifier.result
 
-    # ------------------------------------------------------------------ capture and stage execution
-    def _capture(self, mode: str, microbatches: list[Any], extra: tuple) -> list[tuple[tuple, dict]]:
-        """The network's arguments in the user's step for each of ``microbatches`` (the step stops at the network's
-        call)."""
-        step = getattr(self.module, mode)
-        captured = capture_calls(self.network, [partial(step, mb, *extra) for mb in microbatches])
-        if any(c is None for c in captured):
-            raise HybridConfigError(
-                f"Under pipeline parallel, `{mode}` must call the network ({type(self.network).__name__}) once; it"
-                " did not. If another module is the network, pass `HybridStrategy(pipeline_network='<its name>')`;"
-                " if the step calls no network at all, it cannot be pipelined."
-            )
-        return captured  # type: ignore[return-value]
-
-    def _run_stage(self, step: StepContext, stage: int, x: Tensor) -> Any:
+    def _run_stage(self, step: StepContext, stage: int, received: tuple[Tensor, ...]) -> Any:
         """A stage module's forward for the next micro-batch of ``step`` (torch's schedule calls it)."""
         mb = step.counters[stage]
         step.counters[stage] += 1
-        received = None if stage == 0 else x
+        got = None if stage == 0 else received
         checks = step.checks
         if checks is None:
-            return self._stage_forward(step, stage, mb, received)
-        checks.begin()
+            return self._stage_forward(step, stage, mb, got)
         try:
-            out = self._stage_forward(step, stage, mb, received)
+            out = self._stage_forward(step, stage, mb, got)
         except Exception as error:
             # the first step: record it and go on with a stand-in, so the schedule's peers are not left waiting;
             # every rank raises it after the step (FirstStepChecks.raise_together)
             explained = self.explain_step_failure(error) if self.explain_step_failure is not None else None
             checks.failed(stage, explained or error, in_the_step=explained is not None)
-            out = self._stand_in(stage, received)
+            out = self._failed_output(stage, got)
             if stage == self.last_stage and step.mode == "training_step":
                 step.losses.append(out.detach().reshape(()))
             return out
-        if mb == 0 and isinstance(out, Tensor):
-            checks.check_output(stage, received, out, stage == self.last_stage)
+        if mb == 0:
+            first_out = out if isinstance(out, Tensor) else out[0]
+            checks.check_output(stage, got[0] if got else None, first_out, stage == self.last_stage)
         return out
 
-    def _stand_in(self, stage: int, received: Optional[Tensor]) -> Tensor:
-        """What a stage that failed at the first step hands on: zeros of its output's shape, in autograd."""
-        base = torch.zeros(1, device=self.device) if stage == self.last_stage else torch.zeros_like(self._sends[stage])
-        return base + received.sum() * 0 if received is not None else base.requires_grad_()
+    def _failed_output(self, stage: int, received: Optional[tuple[Tensor, ...]]) -> Any:
+        """What a stage that failed at the first step hands on: zeros of its outputs' shapes, in autograd."""
+        link = sum(r.sum() * 0 for r in received) if received else None
+        if stage == self.last_stage:
+            base = torch.zeros(1, device=self.device)
+            return base + link if link is not None else base.requires_grad_()
+        outs = tuple(
+            torch.zeros_like(e) + link if link is not None else torch.zeros_like(e).requires_grad_()
+            for e in self._sends[stage]
+        )
+        return outs if len(outs) > 1 else outs[0]
 
-    def _stage_forward(self, step: StepContext, stage: int, mb: int, received: Optional[Tensor]) -> Any:
+    def _stage_forward(self, step: StepContext, stage: int, mb: int, received: Optional[tuple[Tensor, ...]]) -> Any:
+        paused = step.steps[mb]
         if stage != self.last_stage:
-            args, kwargs = step.captured[mb]
-            return self._sendable(stage, self._partial_forward(step, stage, received, args, kwargs))
-
-        def network_call(*args: Any, **kwargs: Any) -> Any:
-            out = self._partial_forward(step, stage, received, args, kwargs)
+            calls = [step.probe] * step.calls if step.probe is not None else paused.calls[: step.calls]
+            outs = tuple(
+                sendable(
+                    self.split,
+                    stage,
+                    self._sends[stage][c],
+                    self._partial_forward(step, stage, received[c] if received else None, call, c),
+                    traced=self._differentiated is not None,
+                )
+                for c, call in enumerate(calls)
+            )
+            return outs if len(outs) > 1 else outs[0]
+        if step.probe is not None:  # verify_pipeline: a projection of the output, every call slot connected
+            outs = [self._partial_forward(step, stage, r, step.probe) for r in received or (None,)]
             if step.checks is not None and mb == 0:
+                step.checks.check_network_output(outs[0])
+            value = projection(outs[0]) + sum(projection(o) * 0 for o in outs[1:])
+            step.losses.append(value.detach())
+            return (value.float() * step.weights[mb]).reshape(1)  # type: ignore[index]
+        c = 0
+        while c < step.calls or (step.calls == 0 and paused.pending is not None):  # 0: a one-stage pipeline
+            call = paused.pending
+            if call is None:
+                raise HybridConfigError(
+                    f"`{step.mode}` called the network {c} time(s) for micro-batch {mb}; the pipeline's schedule for"
+                    f" inputs of these shapes carries {step.calls} call(s) a micro-batch. A step must call the network"
+                    " the same number of times for inputs of the same shapes."
+                )
+            out = self._partial_forward(step, stage, received[c] if received else None, call, c)
+            if step.checks is not None and mb == 0 and c == 0:
                 step.checks.check_network_output(out)
                 if self.context_probe is not None:
                     self._probe_output = out
-            return out
-
-        self._log.sink = step.records[mb]
-        try:
-            with forward_replaced(self.network, network_call):
-                out = getattr(self.module, step.mode)(step.microbatches[mb], *step.extra)
-        finally:
-            self._log.sink = None
+            self._log.sink = step.records[mb]
+            self._streams.use(("after", mb))
+            try:
+                paused.resume(out)
+            except Exception as error:
+                mark_raised_by_the_step(error)
+                raise
+            finally:
+                self._streams.use("network")
+                self._log.sink = None
+            c += 1
+        if paused.pending is not None:
+            raise HybridConfigError(
+                f"`{step.mode}` called the network more than {step.calls} time(s) for micro-batch {mb}; the pipeline's"
+                " schedule for inputs of these shapes carries that many calls a micro-batch. A step must call the"
+                " network the same number of times for inputs of the same shapes."
+            )
+        out = paused.result
         if isinstance(out, DTensor) or not isinstance(out, Tensor):
             out = apply_to_collection(out, DTensor, to_plain)
         if step.mode != "training_step":
@@ -322,125 +467,23 @@ class PipelineRunner:
         return (loss.float() * weight).reshape(1)
 
     def _partial_forward(
-        self, step: StepContext, stage: int, received: Optional[Tensor], args: tuple, kwargs: dict
+        self, step: StepContext, stage: int, received: Optional[Tensor], call: NetworkCall, index: int = 0
     ) -> Any:
-        """The network's forward on ``args`` restricted to ``stage`` (the split's swaps, and its hooks reading
-        ``step.active``): the stage's output activation, or the network's output on the last stage."""
+        """The network's forward on ``call`` (the step's ``index``-th) restricted to ``stage`` (the split's swaps, and
+        its hooks reading ``step.active``), under the thread state the step called it with: the stage's output
+        activation, or the network's output on the last stage."""
+        if len(self._traces) > 1:  # what the stand-ins for other stages' blocks return, for this call's inputs
+            self.split.learn(self._traces[min(index, len(self._traces) - 1)])
         step.active = (stage, received)
+        if step.checks is not None:  # each call runs the network's forward from its start
+            step.checks.begin()
         try:
-            with self.split.active(stage):
-                return self._network_forward(*args, **kwargs)
+            with self.split.active(stage), call.state.applied():
+                return self._network_forward(*call.args, **call.kwargs)
         except StageBoundary as boundary:
             return boundary.output
         finally:
             step.active = None
-
-    def _sendable(self, stage: int, out: Any) -> Any:
-        """``stage``'s output as its boundary sends it: of the shape and dtype the boundary was sized with (else
-        refused), and contiguous (c10d sends a contiguous buffer: a block may return a view, such as a channels-last
-        permute of its input; the copy costs one activation per micro-batch where it is one, nothing otherwise)."""
-        expected = self._sends[stage]
-        if not isinstance(out, Tensor) or out.shape != expected.shape or out.dtype != expected.dtype:
-            if isinstance(out, Tensor) and out.shape == expected.shape:
-                got, carried = str(out.dtype), str(expected.dtype)  # a dtype the boundary was not sized with
-            else:
-                got = str(list(out.shape)) if isinstance(out, Tensor) else type(out).__name__
-                carried = str(list(expected.shape))
-            last = f"{self.split.blocks_name}.{self.split.plan.blocks(stage).stop - 1}"
-            why = (
-                " The network's forward could not run on meta tensors to show the shape and dtype at each boundary,"
-                " so each was sized as the hidden state entering the first block: this block list changes it."
-                if self._differentiated is None
-                else ""
-            )
-            raise HybridConfigError(
-                f"pipeline stage {stage} ends with `{last}`, whose output ({got}) is not the {carried} the stage"
-                f" boundary carries.{why} Give `pipeline_partition` as a list of block counts that ends stages only"
-                " where the hidden state has the shape and dtype entering the first block, or train without pipeline"
-                " parallel (`pipeline_parallel_size=1`)."
-            )
-        return out.contiguous()
-
-    # ------------------------------------------------------------------ schedules
-    def _first_block_input(self, captured: tuple[tuple, dict]) -> Tensor:
-        """The hidden state entering the block list, from a forward that stops at its entrance (stubs make it cheap
-        off the first stage): its dtype is the boundaries' (after a '-true' cast, which the meta copy missed)."""
-        stage = min(self.stages)
-        # the probe calls the network directly, not through the stage module: gather ZeRO-3 input modules by hand
-        fsdp = [m for m in self.stages.values() if hasattr(m, "unshard") and hasattr(m, "reshard")]
-        for m in fsdp:
-            m.unshard()
-        try:
-            # off the first stage the input modules are already stubs (split_network): nothing to switch
-            with torch.no_grad(), self.split.active(stage) if stage == 0 else nullcontext():
-                entry = capture_call(self.split.blocks[0], lambda: self._network_forward(*captured[0], **captured[1]))
-        finally:
-            for m in fsdp:
-                m.reshard()
-        found = first_tensor(*entry) if entry is not None else None
-        if found is None:
-            raise HybridConfigError("Could not find the hidden state entering the block list for pipeline parallel.")
-        return found[1]
-
-    def _boundaries(self, captured: tuple[tuple, dict]) -> tuple[list[Tensor], Optional[UnsplitForward]]:
-        """Zeros of the shape and dtype each stage receives (torch's stages size their buffers by them), from a
-        forward of the unsplit network's meta copy under the step's autocast (pipeline/boundaries.py; blocks may
-        change the shape and the dtype), and that forward. Where it cannot run: every boundary sized as the hidden
-        state entering the first block, and None."""
-        hidden = self._first_block_input(captured)
-        split = self.split
-        trace = None
-        if split.unsplit is not None:
-            trace = trace_unsplit_forward(
-                split.unsplit, split.blocks_name, *captured, training=self.network.training,
-                inputs=split.input_names, device=self.device,
-            )  # fmt: skip
-        if trace is None:
-            specs = [TensorSpec(tuple(hidden.shape), hidden.dtype)] * split.num_stages
-        else:
-            specs = trace.stage_inputs(split.plan, split.blocks_name)
-        examples = [torch.zeros(self.activation_shape(s.shape), dtype=s.dtype, device=self.device) for s in specs]
-        return examples, trace
-
-    def _schedule(self, training: bool, m: int, captured: tuple[tuple, dict]) -> Any:
-        # keyed by the network inputs' shapes, so the boundaries are found again only when they change
-        shapes = tuple((tuple(t.shape), t.dtype) for t in tensors_in(captured))
-        key = (training, m, shapes, torch.is_autocast_enabled(self.device.type))
-        if key in self._cache:
-            schedule, self._sends, trace = self._cache[key]
-            self._differentiated = trace.used if trace is not None else None
-            self.split.learn(trace)  # what the stand-ins for other stages' blocks return, for these inputs
-            return schedule
-        entering, trace = self._boundaries(captured)
-        self._differentiated = trace.used if trace is not None else None
-        self.split.learn(trace)
-        self._sends = {s: entering[s + 1] for s in self.stages if s != self.last_stage}
-        from torch.distributed import pipelining
-
-        group = self.pp_mesh.get_group()
-        stages = []
-        # the last stage's output: the micro-batch loss, shape [1]
-        entering.append(torch.zeros(1, dtype=torch.float32, device=self.device))
-        for s, module in sorted(self.stages.items()):
-            # example tensors' requires_grad tells the stage which gradients cross stage borders
-            ids = torch.zeros(1, dtype=torch.long, device=self.device)
-            inputs = ids if s == 0 else entering[s].detach().clone().requires_grad_(training)
-            outputs = entering[s + 1].detach().clone().requires_grad_(training)
-            stages.append(TimedStage(module, s, self.split.num_stages, self.device, input_args=inputs,
-                                     output_args=outputs, group=group, timer=self._timer))  # fmt: skip
-        name = self.schedule_name
-        if not training and name not in MULTI_STAGE:
-            # forward only, every single-stage schedule runs the forwards in the same order; GPipe has no lower bound
-            # on the micro-batches (1F1B wants one per stage), which an evaluation's last, smaller batch may not give
-            name = "gpipe"
-        cls = getattr(pipelining, SCHEDULES[name])
-        loss_fn = (lambda output, target: output.sum()) if training else None
-        if name in MULTI_STAGE:
-            schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
-        else:
-            schedule = cls(stages[0], m, loss_fn=loss_fn, scale_grads=False)
-        self._cache[key] = (schedule, self._sends, trace)
-        return schedule
 
     # ------------------------------------------------------------------ results
     def _take_gradients(self) -> list[tuple[nn.Parameter, Tensor]]:
@@ -544,3 +587,8 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 def _to_cpu(obj: Any) -> Any:
     return apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())
+
+
+def _network_call(*args: Any, **kwargs: Any) -> Any:
+    """The pipelined network's forward while the runner runs a step: the calling step pauses there (paused.py)."""
+    return paused_call(args, kwargs)

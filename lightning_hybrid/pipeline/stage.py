@@ -483,8 +483,10 @@ class StageModule(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.context: Optional[StepContext] = None
 
-    def forward(self, x: torch.Tensor) -> Any:
+    def forward(self, *received: torch.Tensor) -> Any:
+        """``received``: the first stage's micro-batch index, or the activations the previous stage sent (one per
+        network call of the step)."""
         step = self.context
         if step is None:
             raise RuntimeError("lightning-hybrid: a pipeline stage ran outside a pipeline step.")
-        return step.run_stage(step, self.stage, x)
+        return step.run_stage(step, self.stage, received)

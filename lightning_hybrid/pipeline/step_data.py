@@ -37,9 +37,15 @@ class StepContext:
     mode: str
     microbatches: list[Any]
     extra: tuple
-    captured: list[tuple[tuple, dict]]
-    """The network's arguments per micro-batch (only micro-batch 0 where this rank holds the last stage alone)."""
-    run_stage: Callable[[StepContext, int, Optional[Tensor]], Any]
+    steps: list[Any]
+    """Each micro-batch's run of the user's step (``pipeline.paused.PausedStep``), paused at its first network call
+    before the schedule; the last stage resumes it with the network's output."""
+    run_stage: Callable[..., Any]
+    calls: int = 1
+    """How many times each micro-batch's step calls the network: each stage boundary carries one activation a call."""
+    probe: Any = None
+    """``verify_pipeline``'s check: the network call (``pipeline.paused.NetworkCall``) every micro-batch runs, the last
+    stage returning a fixed projection of the output instead of resuming the user's step (None: the real step)."""
     counters: dict[int, int] = field(default_factory=dict)
     losses: list[Tensor] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
@@ -50,7 +56,7 @@ class StepContext:
     weights: Optional[list[float]] = None
     """Each micro-batch's factor on its loss (default: loss scale / micro-batches; verify_pipeline keeps one)."""
     checks: Any = None
-    """The structural checks, on the first training step only: the runner's ``pipeline.verify.FirstStepChecks``
+    """The structural checks, on the first training step only: the runner's ``pipeline.checks.FirstStepChecks``
     (not named in the type: the checks read the cut, whose stage modules read this context)."""
     active: Optional[tuple[int, Optional[Tensor]]] = None
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -61,7 +67,7 @@ class StepContext:
 class StepResults:
     """What one pipeline step gives Lightning, the same on every rank: ``output`` (the loss of a training step, the
     merged outputs of another step) and ``logged``, one record per name logged by the user's step: the mean over
-    micro-batches, as a single-device step over the whole batch gives for a mean-reduced value.
+    micro-batches by its ``reduce_fx`` (pipeline/logged.py).
 
     Example:
         >>> results = StepResults(output=None, logged=[("loss", 1.5, (), {"sync_dist": True})])
