@@ -178,16 +178,20 @@ def run_features(scenario: dict[str, Any], out_dir: Path) -> None:
     strategy = spec if isinstance(spec, str) else HybridStrategy(**spec)
     module = build_feature_module(scenario.get("module", "feature_gpt"))
     logger = _RecordingLogger()
+    # "microbatches": m: "ddp" with each pipeline micro-batch as a batch (batches m times smaller, m times as many
+    # accumulated): the truth for what a pipeline logs once per micro-batch (a reduce_fx of sum, max or min)
+    microbatches = scenario.get("microbatches", 1)
+    batch_size = BATCH_SIZE // microbatches
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
         logger=logger,
         max_epochs=EPOCHS,
-        limit_train_batches=TRAIN_BATCHES,
-        limit_val_batches=VAL_BATCHES,
-        limit_test_batches=VAL_BATCHES,
-        accumulate_grad_batches=2,
+        limit_train_batches=TRAIN_BATCHES * microbatches,
+        limit_val_batches=VAL_BATCHES * microbatches,
+        limit_test_batches=VAL_BATCHES * microbatches,
+        accumulate_grad_batches=2 * microbatches,
         log_every_n_steps=1,
         num_sanity_val_steps=0,
         enable_checkpointing=False,
@@ -197,12 +201,12 @@ def run_features(scenario: dict[str, Any], out_dir: Path) -> None:
     data = make_dataset()
     # 5 samples per rank: a full batch and one of a single sample, fewer than the pipeline's stages
     evaluation = Subset(data, range(EVAL_SAMPLES))
-    train_loader = DataLoader(data, batch_size=BATCH_SIZE, shuffle=True)
-    trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=DataLoader(evaluation, batch_size=BATCH_SIZE))
+    train_loader = DataLoader(data, batch_size=batch_size, shuffle=True)
+    trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=DataLoader(evaluation, batch_size=batch_size))
     fit_metrics = _floats(trainer.callback_metrics)
-    validated = trainer.validate(module, dataloaders=DataLoader(evaluation, batch_size=BATCH_SIZE), verbose=False)
-    tested = trainer.test(module, dataloaders=DataLoader(evaluation, batch_size=BATCH_SIZE), verbose=False)
-    predicted = trainer.predict(module, dataloaders=DataLoader(evaluation, batch_size=BATCH_SIZE))
+    validated = trainer.validate(module, dataloaders=DataLoader(evaluation, batch_size=batch_size), verbose=False)
+    tested = trainer.test(module, dataloaders=DataLoader(evaluation, batch_size=batch_size), verbose=False)
+    predicted = trainer.predict(module, dataloaders=DataLoader(evaluation, batch_size=batch_size))
     record = {
         "rows": logger.rows,
         "fit_metrics": fit_metrics,

@@ -8,7 +8,7 @@ shared launches of 2, 4 and 8 processes (tests/features.py); docs/lightning-feat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -25,6 +25,10 @@ def _case(name: str, world: int, strategy: Any) -> dict[str, Any]:
 
 
 REFERENCE = _case("ddp-dp2", 2, "ddp")
+# "ddp" with each of a pipeline's two micro-batches as a batch: what a pipeline logs once per micro-batch (a
+# reduce_fx of sum, max or min) is that run's (docs/step-semantics.md#logging)
+MICROBATCH_REFERENCE = {**_case("ddp-dp2-mb2", 2, "ddp"), "microbatches": 2}
+PER_MICROBATCH = ("_sum", "_max", "_min")
 LAYOUTS = [
     _case("dp2-zero3", 2, {"zero_stage": 3, **_NO_MONITOR}),
     _case("tp2-dp2", 4, {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR}),
@@ -71,9 +75,17 @@ LAYOUTS = [
         },
     ),
 ]
-share(2, [REFERENCE])
+share(2, [REFERENCE, MICROBATCH_REFERENCE])
 for _world in (2, 4, 8):
     share(_world, [c for c in LAYOUTS if c["world"] == _world])
+
+
+def _expected(want: dict[str, float], per_microbatch: Optional[dict[str, float]]) -> dict[str, float]:
+    """``want`` (the reference's values), with the names a pipeline logs once per micro-batch taken from
+    ``per_microbatch`` (the micro-batch reference's: None without a pipeline)."""
+    if per_microbatch is None:
+        return want
+    return {k: per_microbatch[k] if any(p in k for p in PER_MICROBATCH) else v for k, v in want.items()}
 
 
 def _assert_values_equal(got: dict[str, float], want: dict[str, float], where: str) -> None:
@@ -90,21 +102,28 @@ def test_features_equal_ddp(shared_groups, case: dict[str, Any]) -> None:
     callback metrics after the fit, what ``validate`` and ``test`` return, and the predictions (each rank its own
     share, as ``"ddp"`` returns them); and the trained weights (accumulation and the per-step scheduler) agree.
     Each rank's evaluation data ends with a batch of one sample: fewer micro-batches than pipeline stages."""
-    if not launched(REFERENCE["name"]):
-        pytest.skip("the ddp reference is not launched in this pytest run (--scenarios)")
+    pipelined = isinstance(case["strategy"], dict) and case["strategy"].get("pipeline_parallel_size", 1) > 1
+    needed = [REFERENCE["name"]] + ([MICROBATCH_REFERENCE["name"]] if pipelined else [])
+    if not all(launched(name) for name in needed):
+        pytest.skip("the ddp references are not launched in this pytest run (--scenarios)")
     reference = shared_groups(2).get(REFERENCE["name"])["per_rank"]
+    by_microbatch = shared_groups(2).get(MICROBATCH_REFERENCE["name"])["per_rank"] if pipelined else None
     result = shared_groups(case["world"]).get(case["name"])["per_rank"]
     assert len(result) == case["world"]
     for rank, got in enumerate(result):
         want = reference[got["data_rank"]]
+        per_mb = by_microbatch[got["data_rank"]] if by_microbatch is not None else None
         where = f"{case['name']} rank {rank}"
         assert [step for step, _ in got["rows"]] == [step for step, _ in want["rows"]], f"{where}: logged steps"
-        for (step, row), (_, expected) in zip(got["rows"], want["rows"]):
-            _assert_values_equal(row, expected, f"{where}, logged at step {step}")
-        _assert_values_equal(got["fit_metrics"], want["fit_metrics"], f"{where}, callback metrics after fit")
+        mb_rows = per_mb["rows"] if per_mb is not None else [(None, None)] * len(want["rows"])
+        for (step, row), (_, expected), (_, mb_row) in zip(got["rows"], want["rows"], mb_rows):
+            _assert_values_equal(row, _expected(expected, mb_row), f"{where}, logged at step {step}")
+        fit = _expected(want["fit_metrics"], per_mb["fit_metrics"] if per_mb else None)
+        _assert_values_equal(got["fit_metrics"], fit, f"{where}, callback metrics after fit")
         for kind in ("validated", "tested"):
             assert len(got[kind]) == len(want[kind]) == 1, f"{where}: {kind}"
-            _assert_values_equal(got[kind][0], want[kind][0], f"{where}, trainer.{kind[:-2]}e")
+            expected = _expected(want[kind][0], per_mb[kind][0] if per_mb else None)
+            _assert_values_equal(got[kind][0], expected, f"{where}, trainer.{kind[:-2]}e")
         assert torch.equal(got["predictions"], want["predictions"]), f"{where}: predictions differ from ddp's"
     # each rank holds its stages' parameters (full tensors): together, the whole network
     params = {name: p for got in result for name, p in got["params"].items()}

@@ -1,15 +1,14 @@
 """What the user's step logs under pipeline parallel: collected per micro-batch on the last stage without Lightning's
-``self.log`` (:class:`LogCollector`), then merged over the micro-batches into one value per name with the name's own
-``reduce_fx`` (:func:`reduction`): a mean weighted by the micro-batches' sizes (a single-device step over the whole
-batch gives it), a sum, a max or a min of their values. Lightning then reduces the steps' values over an epoch with
-the same ``reduce_fx``, so the epoch's value is the one ``"ddp"`` reports with the micro-batches as accumulated
-batches (each a call of the step): a ``"sum"`` counts every micro-batch. As float64 tensors for the runner's
-one-tensor broadcast (:func:`scalar_means`), or as Python values for its object broadcast (:func:`merge_records`).
+``self.log`` (:class:`LogCollector`), then given to Lightning by the name's own ``reduce_fx`` (:func:`reduction`): a
+mean (the default) once per step, the micro-batches' mean weighted by their sizes (what a single-device step over the
+whole batch gives); a sum, max or min once per micro-batch, as ``"ddp"`` with the micro-batches as accumulated batches
+(each a call of the step) logs them. Either way Lightning's epoch value is that ``"ddp"``'s: a ``"sum"`` counts every
+micro-batch. As float64 tensors for the runner's one-tensor broadcast (:func:`scalar_means`), or as Python values for
+its object broadcast (:func:`merge_records`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -81,50 +80,50 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _by_name(per_microbatch: list[list[LogRecord]]) -> dict[str, tuple[list[Any], list[float], tuple, dict]]:
-    """Each logged name's values over the micro-batches, their weights in the batch's mean, and the arguments to log
-    the merged value with, in first-logged order (what both the tensor path and the object path of
-    ``_share_results`` merge). A value logged with ``batch_size=`` weighs by it and is logged with the micro-batches'
-    total: Lightning weights a step's value by its batch size in the epoch mean, and the batch is the micro-batches
-    together (one record's size, the micro-batch's, made a short last batch weigh too much in that mean)."""
-    merged: dict[str, tuple[list[Any], list[float], tuple, dict]] = {}
+def _entries(per_microbatch: list[list[LogRecord]]) -> list[tuple[str, list[Any], list[float], tuple, dict]]:
+    """What Lightning's ``log`` is called with for the step, in first-logged order: (name, values, weights, args,
+    kwargs). A mean-reduced name (the default) is one entry, its values the micro-batches' and weighted in the
+    batch's mean: by ``batch_size=`` where given, then logged with the micro-batches' total (Lightning weights a
+    step's value by its batch size in the epoch mean, and the batch is the micro-batches together); else equally
+    (Lightning sizes the batch itself). A name reduced by ``"sum"``, ``"max"`` or ``"min"`` is one entry per
+    micro-batch, as under ``"ddp"`` with the micro-batches as accumulated batches (each a call of the step):
+    Lightning's epoch reduction then counts each, and the step's value is the last micro-batch's."""
+    merged: dict[str, tuple[list[Any], list[Any], tuple, dict]] = {}
     for records in per_microbatch:
         for name, value, args, kwargs in records:
             values, weights, _, _ = merged.setdefault(name, ([], [], args, kwargs))
             values.append(value)
             weights.append(kwargs.get("batch_size"))
+    entries = []
     for name, (values, weights, args, kwargs) in merged.items():
-        if all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in weights):
-            merged[name] = (values, weights, args, {**kwargs, "batch_size": sum(weights)})
+        if reduction(kwargs) != "mean":
+            entries += [(name, [v], [1], args, kwargs) for v in values]
+        elif all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in weights):
+            entries.append((name, values, weights, args, {**kwargs, "batch_size": sum(weights)}))
         else:  # no batch size given (or not a positive number): a plain mean, Lightning sizes the batch itself
-            merged[name] = (values, [1] * len(values), args, kwargs)
-    return merged
+            entries.append((name, values, [1] * len(values), args, kwargs))
+    return entries
 
 
 def scalar_means(
     per_microbatch: list[list[LogRecord]], schema: list[tuple[str, tuple, dict]], device: torch.device
 ) -> Optional[list[Tensor]]:
-    """The micro-batch means of the logged values as float64 tensors on ``device`` (no host sync), in the schema's
-    order; None when the records do not fit the schema (other names, order or arguments, or a value that is not a
-    number), as :func:`merge_records` would merge them."""
-    merged = _by_name(per_microbatch)
-    if len(merged) != len(schema):
+    """The values to log (:func:`_entries`: a mean-reduced name's micro-batch mean, another's value per micro-batch)
+    as float64 tensors on ``device`` (no host sync), in the schema's order; None when the records do not fit the
+    schema (other names, order or arguments, or a value that is not a number), as :func:`merge_records` would give
+    them."""
+    entries = _entries(per_microbatch)
+    if len(entries) != len(schema):
         return None
     means = []
-    for (name, args, kwargs), (merged_name, (values, weights, merged_args, merged_kwargs)) in zip(
-        schema, merged.items()
-    ):
-        if name != merged_name or not _same(args, merged_args) or not _same(kwargs, merged_kwargs):
+    for (name, args, kwargs), (entry, values, weights, entry_args, entry_kwargs) in zip(schema, entries):
+        if name != entry or not _same(args, entry_args) or not _same(kwargs, entry_kwargs):
             return None
-        how = reduction(kwargs)
-        column = _weighted_column(values, weights if how == "mean" else [1] * len(values), device)
+        column = _weighted_column(values, weights, device)
         if column is None:
             return None
-        if how == "mean":
-            total = sum(weights)
-            means.append((column.sum() / total) if len(column) > 1 else column[0] / total)
-        else:
-            means.append(getattr(column, how)() if len(column) > 1 else column[0])
+        total = sum(weights)
+        means.append((column.sum() / total) if len(column) > 1 else column[0] / total)
     return means
 
 
@@ -159,18 +158,13 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def merge_records(per_microbatch: list[list[tuple[str, Any, tuple, dict]]]) -> list[tuple[str, Any, tuple, dict]]:
-    """One record per logged name, in first-logged order: merged over micro-batches by its ``reduce_fx`` (a mean
-    weighted by their ``batch_size`` where one is logged, as a single-device step over the whole batch gives it)."""
+    """The records to log, in first-logged order (:func:`_entries`): a mean-reduced name once, its micro-batches'
+    mean (weighted by their ``batch_size`` where one is logged, as a single-device step over the whole batch gives
+    it); a name reduced by sum, max or min once per micro-batch."""
     out = []
-    for name, (values, weights, args, kwargs) in _by_name(per_microbatch).items():
+    for name, values, weights, args, kwargs in _entries(per_microbatch):
         if all(isinstance(v, (Tensor, float, int)) and not isinstance(v, bool) for v in values):
-            numbers, how = [float(v) for v in values], reduction(kwargs)
-            if how == "mean":
-                value: Any = float(sum(x * w for x, w in zip(numbers, weights)) / sum(weights))
-            else:
-                value = {"sum": math.fsum, "max": max, "min": min}[how](numbers)
-            if not math.isfinite(value):
-                value = float("nan") if math.isnan(value) else value
+            value: Any = float(sum(float(v) * w for v, w in zip(values, weights)) / sum(weights))
         else:
             value = values[-1]
         out.append((name, _to_cpu(value), args, kwargs))
