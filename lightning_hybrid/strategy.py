@@ -34,7 +34,7 @@ from lightning_hybrid.config import CheckpointOptions, PipelineOptions, TensorPa
 from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import sequence_part, skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout, StrategyOptions
-from lightning_hybrid.module_step import check_before_fit, loss_context, step_hook
+from lightning_hybrid.module_step import check_before_fit, step_hook
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults, check_monitor
 from lightning_hybrid.monitoring.metrics import sync_metrics_over
@@ -81,7 +81,8 @@ class HybridStrategy(ParallelStrategy):
         activation_checkpointing: ``True``/``"full"``: recompute each block in backward from its input; ``"selective"``:
             keep matmul, attention and collective outputs, recompute the rest (``SelectivePolicy``).
         activation_checkpointing_every: checkpoint every N-th block only (1: all of them).
-        vocab_parallel_loss: keep the logits sharded over the vocabulary so cross-entropy never gathers them.
+        vocab_parallel_loss: keep the logits split over the vocabulary: a cross-entropy never gathers them, any
+            other use gathers them once.
         transformer_blocks: name of the repeated block list when it cannot be found automatically.
         num_microbatches: micro-batches per optimizer step under pipeline parallel (default: the pipeline size);
             must divide the DataLoader's batch size.
@@ -416,9 +417,7 @@ class HybridStrategy(ParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, module)
             self.post_backward(closure_loss)
             return closure_loss
-        # the vocab-parallel cross-entropy's backward must run under the same loss_parallel context as its forward
-        with loss_context(self.parallelized):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def block_backward_sync(self) -> AbstractContextManager[None]:
         """DDP's ``no_sync``: Lightning runs the backward passes of gradient-accumulation batches inside this, so they
