@@ -81,6 +81,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
 
         module = build_context_module(model, **kwargs)
     if module is None:
+        from tests.loss_models import build_loss_module
+
+        module = build_loss_module(model, **kwargs)
+    if module is None:
         raise ValueError(model)
     return module
 
