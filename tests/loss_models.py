@@ -193,6 +193,7 @@ class HFLabelsLab(L.LightningModule):
                     "tie_word_embeddings": False}  # fmt: skip
         self.model = MistralForCausalLM(MistralConfig(**{**defaults, **config}))
         self.example_input_array = torch.zeros(2, 16, dtype=torch.long)
+        self.gathers: list[int] = []
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, _ = batch
@@ -200,7 +201,12 @@ class HFLabelsLab(L.LightningModule):
         labels[:, : self.hparams.ignored] = -100
         # transformers shifts the labels itself: each sample keeps len - ignored tokens (the last has no next one)
         kept = torch.tensor(x.shape[0] * (x.shape[1] - self.hparams.ignored), device=x.device)
-        return self.model(input_ids=x, labels=labels, num_items_in_batch=kept).loss
+        from lightning_hybrid.tensor_parallel.vocab import VocabParallelLogits
+
+        before = VocabParallelLogits.gathers
+        loss = self.model(input_ids=x, labels=labels, num_items_in_batch=kept).loss
+        self.gathers.append(VocabParallelLogits.gathers - before)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)

@@ -83,7 +83,11 @@ def test_loss_on_the_logits_trains_like_one_device(shared_groups, case: dict[str
             error = relative_error(result[kind][name], want)
             assert error <= tolerance, f"{kind} {name}: relative error {error:.2e}"
     gathers = result["after_fit"]
-    if case["model_kwargs"].get("loss") in ("cross_entropy", "nll_log_softmax", "label_smoothing"):
+    if case["model"] == "hf_labels" or case["model_kwargs"].get("loss") in (
+        "cross_entropy",
+        "nll_log_softmax",
+        "label_smoothing",
+    ):
         # the cross-entropy runs on the vocabulary shares: the logits are never made whole for it
         assert all(count == 0 for rank in gathers for count in rank), gathers
     if case.get("predict"):  # the step's argmax of the logits, as one device computes it with the same weights
@@ -235,3 +239,25 @@ def test_an_in_place_write_makes_the_logits_whole(group_of_one: Any) -> None:
     view = _split(group_of_one, logits).view(-1, 8)
     with pytest.raises(RuntimeError, match="share their values with another view"):
         view.masked_fill_(view > 0, 0.0)
+
+
+def test_an_index_gathers_only_what_it_keeps_and_same_size_views_share_one_gather(
+    group_of_one: Any, monkeypatch
+) -> None:
+    from lightning_hybrid.tensor_parallel import vocab
+
+    shapes: list[tuple[int, ...]] = []
+    gather = vocab._Shards.gather
+
+    def recorded(self: Any, local: torch.Tensor, dim: int) -> torch.Tensor:
+        shapes.append(tuple(local.shape))
+        return gather(self, local, dim)
+
+    monkeypatch.setattr(vocab._Shards, "gather", recorded)
+    logits = torch.randn(2, 3, 8)
+    split = _split(group_of_one, logits)
+    assert torch.equal(split[:, -1].softmax(-1), logits[:, -1].softmax(-1))  # the last position only
+    assert shapes == [(2, 8)]
+    assert torch.equal(split.view(-1, 8).argmax(-1), logits.view(-1, 8).argmax(-1))
+    assert torch.equal(split.float().argmax(-1), logits.argmax(-1))
+    assert shapes == [(2, 8), (2, 3, 8)]  # the view and the cast replay the root's one gather

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
@@ -171,21 +172,31 @@ class VocabParallelLogits(Tensor):
         return repr(self) if not spec else format(self.full_tensor(), spec)
 
     # ---------------------------------------------------------------------------------------------- whole values
-    def _materialize(self) -> Tensor:
-        """The whole tensor: the root gathers its shards, a derived tensor replays its operation on its parent's
-        whole tensor (so a family gathers once). Kept while ``self`` lives; one made without autograd history (under
-        ``no_grad``) is not reused where a gradient is needed."""
+    def _cached(self) -> Optional[Tensor]:
+        """The whole tensor made before, where it serves here (one made without autograd history, under
+        ``no_grad``, does not serve where a gradient is needed)."""
         if self._whole is not None:
             return self._whole
         if self._full is not None:
             return self._full
         tracked = torch.is_grad_enabled() and self._local.requires_grad
-        if not tracked and self._full_detached is not None:
-            return self._full_detached
-        if self._parent is None or self._replay is None:
-            full = self._shards.gather(self._local, self._vocab_dim)
+        return self._full_detached if not tracked else None
+
+    def _materialize(self) -> Tensor:
+        """The whole tensor, kept while ``self`` lives. A derived tensor replays its operation on its parent's whole
+        tensor (so a family gathers once), but one smaller than its parent gathers its own shares unless the parent
+        has its whole tensor already: an index of the last position gathers that position only (the operations
+        derived on the shares commute with the gather). Log-probabilities replay their ``log_softmax``."""
+        full = self._cached()
+        if full is not None:
+            return full
+        parent = self._parent
+        if parent is not None and self._replay is not None and (
+            self._log_probs or parent._cached() is not None or self._local.numel() >= parent._local.numel()
+        ):
+            full = self._replay(parent._materialize())
         else:
-            full = self._replay(self._parent._materialize())
+            full = self._shards.gather(self._local, self._vocab_dim)
         if full.requires_grad:
             self._full = full
         else:
@@ -203,7 +214,10 @@ class VocabParallelLogits(Tensor):
                     " share their values with another view of them: the split tensors cannot show the change in each"
                     " other. Write to a copy (`logits = logits.clone()` first), or pass `vocab_parallel_loss=False`."
                 )
-            self._whole = self._materialize()
+            # a copy: the gather's output is a view made inside an autograd function, which autograd does not let
+            # be written in place; the gathered tensor is dropped, so the copy takes its place rather than doubling
+            self._whole = self._materialize().clone()
+            self._full = self._full_detached = None
         return self._whole
 
     # ---------------------------------------------------------------------------------------------- dispatch
@@ -271,14 +285,15 @@ def split_logits_hook(module: Any, args: Any, output: Any) -> Any:
 
 
 def whole_logits(value: Any) -> Any:
-    """``value`` (a tensor or a collection of them) with every split-logits tensor made a plain, whole tensor
-    (collective over the tensor-parallel ranks where there is one).
+    """``value`` (a tensor or a collection of them: mappings, sequences, dataclasses such as a Hugging Face model's
+    output) with every split-logits tensor made a plain, whole tensor (collective over the tensor-parallel ranks
+    where there is one).
 
     Example:
         >>> whole_logits({"loss": torch.ones(1)})["loss"]
         tensor([1.])
     """
-    return tree_map(_whole_of, value)
+    return apply_to_collection(value, VocabParallelLogits, _whole_of)
 
 
 def _whole_of(value: Any) -> Any:
