@@ -261,3 +261,24 @@ def test_an_index_gathers_only_what_it_keeps_and_same_size_views_share_one_gathe
     assert torch.equal(split.view(-1, 8).argmax(-1), logits.view(-1, 8).argmax(-1))
     assert torch.equal(split.float().argmax(-1), logits.argmax(-1))
     assert shapes == [(2, 8), (2, 3, 8)]  # the view and the cast replay the root's one gather
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("shape", [(6, 8), (8,), (2, 8, 3)], ids=["rows", "one row", "classes on dim 1"])
+def test_the_vocabulary_parallel_cross_entropy_is_torchs(reduction: str, smoothing: float, shape: tuple) -> None:
+    """The formula and its backward, on one rank holding every class (fp64: agreement to rounding), with an ignored
+    target where there are several."""
+    from lightning_hybrid.tensor_parallel.vocab_loss import vocab_parallel_cross_entropy
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 8, shape[:1] + shape[2:] if len(shape) > 1 else ())
+    if target.dim():
+        target.view(-1)[0] = 3
+    kwargs = {"ignore_index": 3, "reduction": reduction, "label_smoothing": smoothing}
+    got, want = vocab_parallel_cross_entropy(x, target, None, 0, 8, **kwargs), F.cross_entropy(x, target, **kwargs)
+    assert torch.allclose(got, want, atol=1e-12, equal_nan=True)
+    weights = torch.randn_like(want)
+    (got_grad,), (want_grad,) = (torch.autograd.grad((v * weights).sum(), x) for v in (got, want))
+    assert torch.allclose(got_grad, want_grad, atol=1e-12, equal_nan=True)

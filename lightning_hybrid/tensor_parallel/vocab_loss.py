@@ -31,21 +31,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: Tensor, target: Tensor, group: Any, start: int, vocab: int, ignore: int, smoothing: float
     ) -> Tensor:
-        work = x.double() if x.dtype == torch.float64 else x.float()
+        work = x.double() if x.dtype == torch.float64 else x.float()  # x itself when it is fp32
         local_vocab = work.shape[-1]
         row_max = work.max(dim=-1).values
         if group is not None:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        # one buffer of the share's size: the shifted logits, read for the target logits and the smoothing sums,
+        # then exponentiated in place and normalized into the softmax the backward keeps
         shifted = work - row_max.unsqueeze(-1)
-        exp = shifted.exp()
+        del work
         valid = target != ignore
         local_target = target - start
         here = valid & (local_target >= 0) & (local_target < local_vocab)
         index = torch.where(here, local_target, torch.zeros_like(local_target)).unsqueeze(-1)
         picked = torch.where(here, shifted.gather(-1, index).squeeze(-1), torch.zeros_like(row_max))
-        sums = [exp.sum(dim=-1), picked]
-        if smoothing:
-            sums.append(shifted.sum(dim=-1))
+        smoothing_sums = shifted.sum(dim=-1) if smoothing else None
+        exp = shifted.exp_()
+        sums = [exp.sum(dim=-1), picked] + ([smoothing_sums] if smoothing_sums is not None else [])
         totals = torch.stack(sums)  # one all-reduce for the row sums, the target logits and the smoothing sums
         if group is not None:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
