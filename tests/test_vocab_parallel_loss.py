@@ -49,6 +49,9 @@ GROUPS = {
         _scenario("loss-hf_labels-tp2", "hf_labels", TP2, 1),
         _scenario("loss-all-tp2-bf16", "losslab", TP2, 1, model_kwargs={"loss": "all"},
                   trainer={"precision": "bf16-mixed"}),
+        # bf16 weights and logits (the strategy steps fp32 masters; one device steps the bf16 weights themselves)
+        _scenario("loss-all-tp2-bf16-true", "losslab", TP2, 1, model_kwargs={"loss": "all"},
+                  trainer={"precision": "bf16-true"}),
     ],
     4: [
         _scenario("loss-all-tp2-dp2-zero3-sp", "losslab", {**TP2, "zero_stage": 3, "sequence_parallel": True}, 2,
@@ -64,7 +67,7 @@ for _world, _scenarios in GROUPS.items():
     share(_world, _scenarios)
 CASES = [s for group in GROUPS.values() for s in group]
 # 16-bit autocast: another summation order rounds in bf16, so the two runs agree to bf16's precision only
-TOLERANCE = {"loss-all-tp2-bf16": 2e-2}
+TOLERANCE = {"loss-all-tp2-bf16": 2e-2, "loss-all-tp2-bf16-true": 2e-2}
 
 
 @pytest.mark.timeout(2400)
