@@ -242,6 +242,9 @@ def test_an_in_place_write_makes_the_logits_whole(group_of_one: Any) -> None:
     view = _split(group_of_one, logits).view(-1, 8)
     with pytest.raises(RuntimeError, match="share their values with another view"):
         view.masked_fill_(view > 0, 0.0)
+    reduced = _split(group_of_one, logits)
+    dist.all_reduce(reduced)  # a collective writes into its first tensor: made whole first, then written
+    assert torch.equal(reduced.argmax(-1), logits.argmax(-1)) and reduced._whole is not None
 
 
 def test_an_index_gathers_only_what_it_keeps_and_same_size_views_share_one_gather(

@@ -72,6 +72,7 @@ _WHOLE_FIRST = {Tensor.register_hook, Tensor.retain_grad, Tensor.requires_grad_}
 if hasattr(Tensor, "register_post_accumulate_grad_hook"):
     _WHOLE_FIRST.add(Tensor.register_post_accumulate_grad_hook)
 
+_READ_FIRST = {"send", "isend", "gather"}  # torch.distributed functions that read their first tensor
 _RESHAPES = {Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flatten}
 _MOVES = {Tensor.transpose, torch.transpose, Tensor.permute, torch.permute, Tensor.movedim, torch.movedim}
 _ELEMENTWISE = {Tensor.contiguous, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.to,
@@ -191,8 +192,10 @@ class VocabParallelLogits(Tensor):
         if full is not None:
             return full
         parent = self._parent
-        if parent is not None and self._replay is not None and (
-            self._log_probs or parent._cached() is not None or self._local.numel() >= parent._local.numel()
+        if (
+            parent is not None
+            and self._replay is not None
+            and (self._log_probs or parent._cached() is not None or self._local.numel() >= parent._local.numel())
         ):
             full = self._replay(parent._materialize())
         else:
@@ -319,6 +322,8 @@ def _written(func: Any, args: tuple, kwargs: dict) -> Optional[VocabParallelLogi
         return None
     name = getattr(func, "__name__", "")
     in_place = name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
+    # torch.distributed's collectives write their first tensor (all_reduce, broadcast, recv, ...), but for these
+    in_place |= getattr(func, "__module__", "").startswith("torch.distributed") and name not in _READ_FIRST
     return first if in_place or kwargs.get("inplace") is True or func in _WHOLE_FIRST else None
 
 
