@@ -62,8 +62,10 @@ __all__ = [
     "tree_map",
     "unboxed_process_group",
     "unboxed_work",
-    "make_wrapper_subclass",
     "DISABLED_TORCH_FUNCTION",
+    "make_wrapper_tensor",
+    "torch_function_disabled",
+    "written_arguments",
 ]
 
 # --- DTensor --------------------------------------------------------------------------------------------------------
@@ -128,6 +130,53 @@ def tensor_version(t: Tensor) -> int:
 
 
 # --- tensor parallel ------------------------------------------------------------------------------------------------
+
+
+def make_wrapper_tensor(
+    cls: type,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    strides: Optional[tuple[int, ...]] = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """A tensor of class ``cls`` with ``shape``, ``dtype`` and ``device`` and no storage: a wrapper whose values live
+    elsewhere (the vocabulary-parallel logits' shards) or nowhere (a pipeline's stand-ins for another stage's output).
+    ``torch.Tensor._make_wrapper_subclass``, what DTensor is made with. Checked on torch 2.11 and 2.13. Public
+    replacement: none.
+
+    Example:
+        >>> # made = make_wrapper_tensor(StandIn, (2, 3), torch.float32, torch.device("cpu"))  (a __torch_dispatch__ class)
+    """
+    return Tensor._make_wrapper_subclass(
+        cls, shape, strides=strides, dtype=dtype, device=device, requires_grad=requires_grad
+    )
+
+
+def torch_function_disabled() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called (a subclass reading its own
+    metadata). ``torch._C.DisableTorchFunctionSubclass``. Checked on torch 2.11 and 2.13. Public replacement: none
+    (``torch.overrides`` has no context for it).
+
+    Example:
+        >>> with torch_function_disabled():
+        ...     torch.ones(1).shape
+        torch.Size([1])
+    """
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def written_arguments(func: Any) -> list[tuple[int, str]]:
+    """(position, name) of the arguments an ``OpOverload`` writes to (in-place and ``out=`` arguments), from its
+    schema's alias information: ``OpOverload._schema``. Checked on torch 2.11 and 2.13. Public replacement: none.
+
+    Example:
+        >>> written_arguments(torch.ops.aten.add_.Tensor)
+        [(0, 'self')]
+    """
+    arguments = enumerate(func._schema.arguments)
+    return [(i, a.name) for i, a in arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
 def colwise_input_fn(style: Any) -> Callable[..., Any]:
@@ -426,17 +475,6 @@ META_SKIPPING_INITIALIZERS = ("_no_grad_trunc_normal_", "dirac_", "orthogonal_",
 
 
 # --- tensor subclasses (pipeline/stand_in.py) ------------------------------------------------------------------------
-
-# ``torch.Tensor._make_wrapper_subclass``: a tensor object with a shape, dtype and device but no storage of its own,
-# whose operations ``__torch_dispatch__`` serves (how DTensor and FakeTensor are made). Checked on torch 2.11 and 2.13.
-# Public replacement: none (torch's documentation of tensor subclasses uses it).
-def make_wrapper_subclass(cls: type, like: Tensor, device: torch.device) -> Tensor:
-    """An instance of ``cls`` shaped, strided and typed as ``like``, on ``device``, holding no data."""
-    return Tensor._make_wrapper_subclass(
-        cls, like.size(), strides=like.stride(), storage_offset=like.storage_offset(), dtype=like.dtype,
-        layout=like.layout, device=device, requires_grad=like.requires_grad,
-    )  # fmt: skip
-
 
 # ``torch._C._disabled_torch_function_impl``: a subclass's ``__torch_function__`` that leaves every call to
 # ``__torch_dispatch__`` (without it each call first goes through the Python subclass machinery). Checked on torch 2.11

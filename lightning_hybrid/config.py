@@ -169,7 +169,8 @@ class TensorParallelOptions:
     "colwise" | "rowwise" | ParallelStyle}`` (docs/tensor-parallel.md). If ``configure_model`` already parallelized the
     model with ``self.device_mesh["tensor"]``, the plan is not applied."""
     vocab_parallel_loss: bool = True
-    """Keep the logits sharded over the vocabulary so cross-entropy never gathers them."""
+    """Keep the logits split over the vocabulary: a cross-entropy never gathers them, any other use of them gathers
+    them once (exact either way: docs/tensor-parallel.md)."""
     verify_tensor_parallel: Union[bool, Literal["auto"]] = "auto"
     """Without pipeline parallel (``verify_pipeline`` covers both together): on the first batch, compare the split
     model's loss and gradient norm with an unsplit copy on one rank, and refuse the run on a mismatch; under context

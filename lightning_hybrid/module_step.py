@@ -1,9 +1,11 @@
 """How the strategy's step hooks run the LightningModule's steps, and what a step gives Lightning.
 
-A step runs under the precision plugin's context for it and, with a vocabulary-parallel head, torch's
-``loss_parallel``; under pipeline parallel, through the pipeline runner, which gives back the step's output and the
-values it logged, merged over micro-batches (:class:`~lightning_hybrid.pipeline.step_data.StepResults`). Lightning then
-receives plain tensors (not DTensors), and ``self.log(..., sync_dist=True)`` reduces over the data-parallel replicas
+A step runs under the precision plugin's context for it; under pipeline parallel, through the pipeline runner, which
+gives back the step's output and the values it logged, merged over micro-batches
+(:class:`~lightning_hybrid.pipeline.step_data.StepResults`). A vocabulary-parallel head's logits reach the step as
+tensors that behave as the whole logits (``tensor_parallel/vocab.py``): no context is needed around the step or its
+backward. Lightning then receives plain tensors (not DTensors, nor split logits), and
+``self.log(..., sync_dist=True)`` reduces over the data-parallel replicas
 only: tensor and pipeline peers of a replica hold the same value, so reducing over them too would count it several
 times. Both ways of logging name that group with :func:`sync_over`.
 """
@@ -25,6 +27,7 @@ from lightning_hybrid.data import check_replica_batches
 from lightning_hybrid.dtensor import to_plain
 from lightning_hybrid.monitoring.gradients import check_gradient_norm_hooks
 from lightning_hybrid.pipeline.logged import REDUCTIONS
+from lightning_hybrid.tensor_parallel.vocab import whole_logits
 
 if TYPE_CHECKING:
     from lightning_hybrid.parallelize import Parallelized
@@ -35,7 +38,6 @@ __all__ = [
     "check_manual_optimization",
     "check_weight_averaging",
     "context_reduced",
-    "loss_context",
     "plain",
     "plain_logging",
     "run_step",
@@ -135,7 +137,7 @@ def run_step(
         >>> # output = run_step(module, "training_step", (batch, 0), {}, plugin, strategy.parallelized, data_group)
     """
     runner = parallelized.runner if parallelized is not None else None
-    with getattr(precision, STEP_CONTEXTS[name])(), loss_context(parallelized):
+    with getattr(precision, STEP_CONTEXTS[name])():
         if runner is not None:
             # the schedule runs backward inside the step: the fp16 loss scale is applied there, and so is Lightning's
             # division of the loss by accumulate_grad_batches, which it applies to the loss it differentiates itself
@@ -166,29 +168,15 @@ def _accumulation(module: Any, name: str) -> int:
     return trainer.accumulate_grad_batches
 
 
-def loss_context(parallelized: Optional[Parallelized]) -> AbstractContextManager:
-    """torch's ``loss_parallel`` where the model's head keeps its logits sharded over the vocabulary (the
-    cross-entropy's forward and backward both run under it); a no-op context otherwise.
-
-    Example:
-        >>> with loss_context(None):  # not parallelized: nothing to do
-        ...     pass
-    """
-    if parallelized is None or parallelized.vocab_parallel_head is None:
-        return nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
-
-
 def plain(value: Any) -> Any:
-    """``value`` (a tensor or a collection of them) with every DTensor made a plain tensor.
+    """``value`` (a tensor or a collection of them) with every DTensor and every vocabulary-split logits tensor made a
+    plain tensor (what a step returns leaves the step whole: Lightning's predictions, a callback's ``outputs``).
 
     Example:
         >>> plain({"loss": 1.0})
         {'loss': 1.0}
     """
-    return apply_to_collection(value, DTensor, to_plain)
+    return whole_logits(apply_to_collection(value, DTensor, to_plain))
 
 
 def sync_over(log_kwargs: dict[str, Any], group: Any) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from lightning_hybrid.tensor_parallel import (
     sequence_shard_shape,
     validate_tensor_parallel_plan,
 )
-from lightning_hybrid.tensor_parallel.failures import explain_forward_failure, explain_logits_failure
+from lightning_hybrid.tensor_parallel.failures import explain_forward_failure
 from lightning_hybrid.tensor_parallel.verify import verified_at_first_call
 
 if TYPE_CHECKING:
@@ -84,7 +84,8 @@ class Parallelized:
     gradient_sync: GradientSync
     """The tensor-parallel sum of replicated gradients (and the data average of what ZeRO-3 leaves out)."""
     vocab_parallel_head: Optional[str] = None
-    """The output head whose logits stay sharded over the vocabulary (the loss then runs under ``loss_parallel``)."""
+    """The output head whose logits stay split over the vocabulary (they reach the step as
+    ``tensor_parallel.vocab.VocabParallelLogits``)."""
     runner: Optional[PipelineRunner] = None
     """Runs a step through the pipeline schedule (None without pipeline parallel)."""
     shared: Optional[SharedParameters] = None
@@ -139,8 +140,7 @@ class Parallelized:
             plan = self.tensor_parallel_plan
             explained = None
             if plan is not None:
-                head = self.vocab_parallel_head
-                explained = explain_forward_failure(error, module, plan, self.tensor_parallel_size, head)
+                explained = explain_forward_failure(error, module, plan, self.tensor_parallel_size)
             if explained is None:
                 raise
             raise explained from error
@@ -244,9 +244,6 @@ def parallelize(
         runner.context_probe, context_probe = context_probe, None
         if layout.zero_stage == 3:
             dp_replicated += shared.loose  # in no stage's FSDP2 root: averaged over data like those left out
-        if plan is not None and vocab_head is not None:  # the step reading the logits fails, not the cut
-            tp = layout.tensor_parallel_size
-            runner.explain_step_failure = lambda e: explain_logits_failure(e, module, vocab_head, tp)
     if verifier is not None and precision.master_dtype is None:
         # the weights the copy was taken with (not so after a '-true' cast), to see at the first step if they changed
         verifier.remember(network)

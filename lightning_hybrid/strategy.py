@@ -31,7 +31,7 @@ from lightning_hybrid.construction.deferred import DeferredConstruction
 from lightning_hybrid.data import release_quieted, sequence_part, skip_finished_batches
 from lightning_hybrid.layout import ParallelLayout
 from lightning_hybrid.model_setup import set_up_module
-from lightning_hybrid.module_step import check_before_fit, loss_context, step_hook
+from lightning_hybrid.module_step import check_before_fit, step_hook
 from lightning_hybrid.monitoring.callback import HybridMonitor
 from lightning_hybrid.monitoring.health import add_monitoring_defaults
 from lightning_hybrid.optimizer_step import OptimizerStep, pipelined_backward, spine_hook
@@ -258,9 +258,7 @@ class HybridStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:  # the schedule ran the backward inside training_step: its gradients, restored
             return pipelined_backward(self, self._pipeline, closure_loss)
-        # the vocab-parallel cross-entropy's backward must run under the same loss_parallel context as its forward
-        with loss_context(self.parallelized):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def block_backward_sync(self) -> AbstractContextManager[None]:
         """DDP's ``no_sync``: Lightning runs the backward passes of gradient-accumulation batches inside this, so they

@@ -1,5 +1,5 @@
-"""The tuner, SWA, several loggers at once, evaluation inside a fit, and the argmax of
-vocabulary-parallel logits, under every layout against Lightning's own ``"ddp"`` (``run_extras``).
+"""The tuner, SWA, several loggers at once and evaluation inside a fit, under every layout against Lightning's own
+``"ddp"`` (``run_extras``).
 
 One scenario per layout runs, on the same ranks, one part after another; each part records what it returned or the
 error it raised, so a refusal of one part is compared too and the next part still runs:
@@ -10,9 +10,7 @@ error it raised, so a refusal of one part is compared too and the next part stil
 2. ``fit``: the fit after the tuner, with CSV, TensorBoard and W&B (offline) loggers at once;
 3. ``inside``: a fit of one step with a callback calling ``trainer.validate`` and ``trainer.test`` at its epoch's
    end (Lightning does not support it: the fit fails after them, under ``"ddp"`` too);
-4. ``swa``: a fit with ``StochasticWeightAveraging``;
-5. ``argmax``: (scenarios with ``"argmax_strategy"``) a step that takes the argmax of its logits, with the default
-   ``vocab_parallel_loss=True``.
+4. ``swa``: a fit with ``StochasticWeightAveraging``.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 from examples.nanogpt import NanoGPT
@@ -53,21 +50,6 @@ class TunedGPT(NanoGPT):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.learning_rate, momentum=0.9)
-
-
-class ArgmaxGPT(NanoGPT):
-    """A step that takes the argmax of its logits (a token accuracy), as users write it."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        self.log("train_accuracy", (logits.argmax(-1) == y).float().mean(), sync_dist=True)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 class TunedData(L.LightningDataModule):
@@ -210,17 +192,6 @@ def _swa(scenario: dict[str, Any], world: int) -> dict[str, Any]:
     return outcome
 
 
-def _argmax(scenario: dict[str, Any], world: int) -> dict[str, Any]:
-    L.seed_everything(SEED, verbose=False)
-    module = ArgmaxGPT(**FEATURE_MODEL)
-    recording = _RecordingLogger()
-    trainer = _trainer(scenario["argmax_strategy"], world, logger=recording, max_epochs=1, limit_train_batches=2)
-    outcome = _outcome(lambda: trainer.fit(module, DataLoader(make_dataset(), batch_size=4, shuffle=True)))
-    outcome["steps"] = trainer.global_step
-    outcome["rows"] = recording.rows
-    return outcome
-
-
 def run_extras(scenario: dict[str, Any], out_dir: Path) -> None:
     """The parts of the module docstring, in order, on every rank; rank 0 saves every rank's record."""
     world = int(os.environ["WORLD_SIZE"])
@@ -230,6 +201,4 @@ def run_extras(scenario: dict[str, Any], out_dir: Path) -> None:
     record: dict[str, Any] = {"tuner_and_fit": _tuner_and_fit(scenario, world, directory)}
     record["inside"] = _inside(scenario, world)
     record["swa"] = _swa(scenario, world)
-    if "argmax_strategy" in scenario:
-        record["argmax"] = _argmax(scenario, world)
     _save_per_rank(record, world, out_dir / f"{scenario['name']}.pt")

@@ -84,6 +84,10 @@ def build_module(model: str, **kwargs: Any) -> L.LightningModule:
         from tests.boundary_models import build_boundary_module
 
         module = build_boundary_module(model, **kwargs)
+        if module is None:
+            from tests.loss_models import build_loss_module
+
+            module = build_loss_module(model, **kwargs)
     if module is None:
         raise ValueError(model)
     return module

@@ -542,7 +542,7 @@ def test_auto_plan_for_nanogpt():
         assert _exact(plan.styles[f"{b}.mlp.c_proj"], RowwiseParallel)
     wte = plan.styles["model.wte"]  # vocab-parallel embedding: each rank looks up its vocabulary range
     assert _exact(wte, RowwiseParallel) and wte.input_layouts == (Replicate(),)
-    head = plan.styles["model.lm_head"]  # logits stay sharded over the vocabulary for loss_parallel
+    head = plan.styles["model.lm_head"]  # logits stay split over the vocabulary (tensor_parallel/vocab.py)
     assert _exact(head, ColwiseParallel) and head.output_layouts == (Shard(-1),) and head.use_local_output is False
     assert plan.vocab_parallel_head == "model.lm_head"
     assert "model.wpe" not in plan.styles

@@ -17,7 +17,6 @@ from tests.conftest import launched, relative_error, share
 
 TOLERANCE = 1e-5
 _NO_MONITOR = {"monitor": False}  # the strategy's own monitor logs more names than "ddp" does
-_PLAIN_LOGITS = {"vocab_parallel_loss": False}  # the module takes the argmax of its logits (docs/tensor-parallel.md)
 
 
 def _case(name: str, world: int, strategy: Any) -> dict[str, Any]:
@@ -31,7 +30,7 @@ MICROBATCH_REFERENCE = {**_case("ddp-dp2-mb2", 2, "ddp"), "microbatches": 2}
 PER_MICROBATCH = ("_sum", "_max", "_min")
 LAYOUTS = [
     _case("dp2-zero3", 2, {"zero_stage": 3, **_NO_MONITOR}),
-    _case("tp2-dp2", 4, {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR}),
+    _case("tp2-dp2", 4, {"tensor_parallel_size": 2, **_NO_MONITOR}),
     _case(
         "pp2-dp2-1f1b",
         4,
@@ -56,7 +55,6 @@ LAYOUTS = [
             "tensor_parallel_size": 2,
             "pipeline_schedule": "1f1b",
             "num_microbatches": 2,
-            **_PLAIN_LOGITS,
             **_NO_MONITOR,
         },
     ),
@@ -70,7 +68,6 @@ LAYOUTS = [
             "zero_stage": 3,
             "pipeline_schedule": "1f1b",
             "num_microbatches": 2,
-            **_PLAIN_LOGITS,
             **_NO_MONITOR,
         },
     ),
@@ -281,12 +278,12 @@ def _manual(name: str, world: int, strategy: Any, **extra: Any) -> dict[str, Any
 
 
 _PP2 = {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b", "num_microbatches": 2}
-_3D = {**_PP2, "tensor_parallel_size": 2, **_PLAIN_LOGITS}
+_3D = {**_PP2, "tensor_parallel_size": 2}
 LOOPS_REFERENCE = _loops("ddp-dp2", 2, "ddp")
 LOOPS = [
     _loops("dp2-zero3", 2, {"zero_stage": 3, **_NO_MONITOR}),
     _loops("dp2-zero1", 2, {"zero_stage": 1, **_NO_MONITOR}),
-    _loops("tp2-dp2", 4, {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR}),
+    _loops("tp2-dp2", 4, {"tensor_parallel_size": 2, **_NO_MONITOR}),
     _loops("pp2-dp2-1f1b", 4, {**_PP2, **_NO_MONITOR}),
     _loops(
         "pp2-dp2-interleaved",
@@ -299,7 +296,7 @@ LOOPS_REFUSED = [  # a sampler sharded by global rank gives tensor and pipeline 
     _loops(
         "tp2-dp2-world-sampler",
         4,
-        {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR},
+        {"tensor_parallel_size": 2, **_NO_MONITOR},
         sharded_by="world",
         expect_error=True,
     ),
@@ -310,7 +307,7 @@ MANUAL_REFERENCE = _manual("ddp-dp2", 2, "ddp")
 MANUAL = [
     _manual("dp2-zero1", 2, {"zero_stage": 1, **_NO_MONITOR}),
     _manual("dp2-zero3", 2, {"zero_stage": 3, **_NO_MONITOR}),
-    _manual("tp2-dp2", 4, {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR}),
+    _manual("tp2-dp2", 4, {"tensor_parallel_size": 2, **_NO_MONITOR}),
 ]
 MANUAL_REFUSED = [_manual("2x2x2", 8, {**_3D, **_NO_MONITOR}, expect_error=True)]
 # Lightning's own grad_norm in on_before_optimizer_step: named in the module's hook, refused at set-up (under a
@@ -502,21 +499,19 @@ def test_data_reference_exercises_what_the_matrix_claims(shared_groups) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The tuner, SWA, several loggers at once, evaluation inside a fit, the argmax of vocabulary-parallel logits
-# (tests/features_extra.py: run_extras)
+# The tuner, SWA, several loggers at once, evaluation inside a fit (tests/features_extra.py: run_extras)
 
 
 def _extras(name: str, world: int, strategy: Any, **extra: Any) -> dict[str, Any]:
     return {**_case(f"extras-{name}", world, strategy), "runner": "feature_extras", **extra}
 
 
-_VOCAB_PARALLEL = {"tensor_parallel_size": 2, **_NO_MONITOR}  # vocab_parallel_loss=True, the default
 EXTRAS_REFERENCE = _extras("ddp-dp2", 2, "ddp")
 EXTRAS = [
     _extras("dp2-zero3", 2, {"zero_stage": 3, **_NO_MONITOR}),
-    _extras("tp2-dp2", 4, {"tensor_parallel_size": 2, **_PLAIN_LOGITS, **_NO_MONITOR}, argmax_strategy=_VOCAB_PARALLEL),
+    _extras("tp2-dp2", 4, {"tensor_parallel_size": 2, **_NO_MONITOR}),
     _extras("pp2-dp2-1f1b", 4, {**_PP2, **_NO_MONITOR}),
-    _extras("2x2x2", 8, {**_3D, **_NO_MONITOR}, argmax_strategy={**_PP2, **_VOCAB_PARALLEL}),
+    _extras("2x2x2", 8, {**_3D, **_NO_MONITOR}),
 ]
 share(2, [EXTRAS_REFERENCE])
 for _world in (2, 4, 8):
@@ -601,18 +596,4 @@ def test_weight_averaging_refused_on_a_split_model(shared_groups, case: dict[str
     assert len(errors) == 1, errors
     (error,) = errors
     assert error.startswith("HybridConfigError: StochasticWeightAveraging cannot average a split model"), error
-    assert all(o["steps"] == 0 for o in outcomes)
-
-
-@pytest.mark.parametrize("case", [c for c in EXTRAS if "argmax_strategy" in c], ids=lambda c: c["name"])
-def test_argmax_of_vocab_parallel_logits_refused_before_the_first_step(shared_groups, case: dict[str, Any]) -> None:
-    """A step taking the argmax of its logits under the default ``vocab_parallel_loss=True`` is refused with the
-    same ``HybridConfigError`` on every rank before the first optimizer step, naming ``vocab_parallel_loss`` and
-    the fix (``vocab_parallel_loss=False``, with which the other tests of this file train such steps as ddp)."""
-    outcomes = [r["argmax"] for r in shared_groups(case["world"]).get(case["name"])["per_rank"]]
-    errors = {_error(o) for o in outcomes}
-    assert len(errors) == 1, errors
-    (error,) = errors
-    assert error.startswith("HybridConfigError: `vocab_parallel_loss=True`"), error
-    assert "`vocab_parallel_loss=False`" in error, error
     assert all(o["steps"] == 0 for o in outcomes)

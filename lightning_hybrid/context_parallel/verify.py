@@ -47,6 +47,7 @@ from lightning_hybrid.context_parallel.exchange import ContextShard
 from lightning_hybrid.dtensor import full_tensor
 from lightning_hybrid.pipeline.boundaries import map_tensors
 from lightning_hybrid.pipeline.verify import LOSS_ERROR_FLOOR, LOW_PRECISION_TOLERANCE, TOLERANCES, deterministic
+from lightning_hybrid.tensor_parallel.vocab import whole_logits
 
 __all__ = ["PROBE_POSITIONS", "ContextLossProbe"]
 
@@ -243,9 +244,9 @@ def _leaf(t: Tensor, leaves: list[tuple[Tensor, bool]], of_positions: bool) -> T
 
 
 def _detached(output: Any) -> Any:
-    """The network's output as plain tensors without autograd history (a vocabulary-parallel head's DTensor logits
+    """The network's output as plain tensors without autograd history (a vocabulary-parallel head's split logits
     gathered: the probe's few positions, whole on every tensor-parallel rank)."""
-    return map_tensors(lambda t: (full_tensor(t) if isinstance(t, DTensor) else t).detach())(output)
+    return map_tensors(lambda t: (full_tensor(t) if isinstance(t, DTensor) else whole_logits(t)).detach())(output)
 
 
 def _positions(value: Any, chosen: Tensor, length: int) -> tuple[Any, set[int]]:

@@ -18,8 +18,8 @@ def sync_metrics_over(module: nn.Module, process_group: Any) -> int:
     """Make every ``torchmetrics.Metric`` inside ``module`` synchronize over ``process_group`` (the data-parallel
     group): tensor and pipeline peers see the same samples, so reducing over them too would count each sample
     several times. Metrics given an explicit ``process_group`` by the user keep it. Also lets ``update`` take the
-    DTensors a tensor-parallel model produces (a vocabulary-parallel loss, sharded logits): they arrive as plain
-    tensors, as on one device. Returns how many metrics were set.
+    DTensors and vocabulary-split logits a tensor-parallel model produces: they arrive as plain tensors, as on one
+    device. Returns how many metrics were set.
 
     Example:
         >>> import torchmetrics
@@ -50,11 +50,13 @@ def _plain_inputs(update: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     from lightning_hybrid.dtensor import to_plain
+    from lightning_hybrid.tensor_parallel.vocab import whole_logits
 
     @functools.wraps(update)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args = apply_to_collection(args, DTensor, to_plain)
-        kwargs = apply_to_collection(kwargs, DTensor, to_plain)
+        # a metric may keep what it is given (a list state): never a DTensor, nor logits split over the vocabulary
+        args = whole_logits(apply_to_collection(args, DTensor, to_plain))
+        kwargs = whole_logits(apply_to_collection(kwargs, DTensor, to_plain))
         return update(*args, **kwargs)
 
     return wrapped

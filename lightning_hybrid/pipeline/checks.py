@@ -63,7 +63,7 @@ class FirstStepChecks:
     """Stages whose output does not depend on their input, or that failed: their blocks' missing gradients follow
     from that."""
     in_the_step: list[str] = field(default_factory=list)
-    """Errors of the user's own step that are not the cut's (a step reading vocabulary-parallel logits)."""
+    """Errors of the user's own step that are not the cut's (its code after the network call)."""
     errors: list[BaseException] = field(default_factory=list)
     """Exceptions a stage's forward raised at the first step (the stage went on with a stand-in, so that no peer
     waits for it in the schedule's communication)."""
@@ -250,14 +250,12 @@ class FirstStepChecks:
                 + advice
             ) from (self.errors[0] if self.errors else None)
 
-    def failed(self, stage: int, error: BaseException, in_the_step: bool = False) -> None:
+    def failed(self, stage: int, error: BaseException) -> None:
         """``stage``'s forward raised ``error`` at the first step (it went on with a stand-in, so its parameters'
-        missing gradients follow from that, and are not reported); ``in_the_step``: an error of the user's step that
-        is not the cut's."""
+        missing gradients follow from that, and are not reported); an error of the user's own step is said as it is,
+        not as the cut's."""
         self._cut_off.add(stage)
-        if in_the_step:
-            self.in_the_step.append(f"{error}")
-        elif raised_by_the_step(error):  # the user's own code after the network call, not the cut
+        if raised_by_the_step(error):  # the user's own code after the network call, not the cut
             self.in_the_step.append(f"the step raised {type(error).__name__} on the last pipeline stage: {error}")
         elif isinstance(error, HybridConfigError):  # the strategy's own finding (a boundary's shape): said in full
             self.failures.append(f"{error}")

@@ -104,7 +104,6 @@ class PipelineRunner:
         self._traces: tuple[Any, ...] = ()  # per network call of the current plan: the unsplit network's trace
         self.verifier: Optional[PipelineVerifier] = None
         """``verify_pipeline``: compares the first batch with an unsplit forward (the strategy sets it)."""
-        self.explain_step_failure: Optional[Callable[[BaseException], Optional[Exception]]] = None  # parallelize
         self.context_probe: Any = None  # context parallel's first-step probe of the loss (context_parallel/verify.py)
         self._probe_output: Any = None  # micro-batch 0's network output on the last stage, for the probe
         self._checks_pending = True
@@ -376,8 +375,7 @@ class PipelineRunner:
         except Exception as error:
             # the first step: record it and go on with a stand-in, so the schedule's peers are not left waiting;
             # every rank raises it after the step (FirstStepChecks.raise_together)
-            explained = self.explain_step_failure(error) if self.explain_step_failure is not None else None
-            checks.failed(stage, explained or error, in_the_step=explained is not None)
+            checks.failed(stage, error)
             out = self._failed_output(stage, got)
             if stage == self.last_stage and step.mode == "training_step":
                 step.losses.append(out.detach().reshape(()))

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_hybrid._hooks import tensors_in
-from lightning_hybrid._torch_compat import DISABLED_TORCH_FUNCTION, make_wrapper_subclass, tree_map
+from lightning_hybrid._torch_compat import DISABLED_TORCH_FUNCTION, make_wrapper_tensor, tree_map
 from lightning_hybrid.pipeline.boundaries import map_tensors, to_meta
 
 __all__ = ["StandIn", "StandInOutputs", "StandInRead", "contains_stand_in"]
@@ -51,7 +51,8 @@ class StandIn(Tensor):
 
     @staticmethod
     def __new__(cls, meta: Tensor, device: torch.device) -> StandIn:
-        made = make_wrapper_subclass(cls, meta, device)
+        made = make_wrapper_tensor(cls, tuple(meta.shape), meta.dtype, device, strides=tuple(meta.stride()),
+                                   requires_grad=meta.requires_grad)  # fmt: skip
         made._meta = meta
         return made  # type: ignore[return-value]
 

@@ -28,6 +28,7 @@ from lightning_hybrid.tensor_parallel.styles import (
     projection_features,
     region_role,
 )
+from lightning_hybrid.tensor_parallel.vocab import split_logits_hook
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -207,6 +208,9 @@ def apply_tensor_parallel(
                 plan.styles[name] = type(style)(output_layouts=Shard(1))
         _sequence_parallel(root, structure, plan, mesh)
     parallelize_module(root, mesh, plan.styles)
+    if plan.vocab_parallel_head in plan.styles:  # held here (another pipeline stage holds a stand-in instead)
+        # its logits reach the step split, as a tensor that behaves as the whole logits (tensor_parallel/vocab.py)
+        root.get_submodule(plan.vocab_parallel_head).register_forward_hook(split_logits_hook)
     for name in plan.attention_modules:
         module = root.get_submodule(name)
         for attr in HEAD_COUNT_ATTRIBUTES + SHARDED_WIDTH_ATTRIBUTES:

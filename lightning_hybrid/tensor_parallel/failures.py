@@ -18,7 +18,7 @@ from torch import nn
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.tensor_parallel.plan import TensorParallelPlan
 
-__all__ = ["explain_forward_failure", "explain_logits_failure"]
+__all__ = ["explain_forward_failure"]
 
 _IN_PLACE_ON_VIEW = "is a view and is being modified inplace"
 """Part of autograd's error for an in-place op on the output of a custom autograd function that returns a view."""
@@ -47,12 +47,9 @@ def explain_forward_failure(
     root: nn.Module,
     plan: TensorParallelPlan,
     tensor_parallel_size: int,
-    vocab_parallel_head: Optional[str] = None,
 ) -> Optional[HybridConfigError]:
     """The configuration error for ``error``, raised by a forward of ``root`` under ``plan``; None when the failure
-    is not inside a module the plan splits (then it is the user's own, raised as it is). With a vocabulary-parallel
-    head (``vocab_parallel_head``), a DTensor error in ``root``'s own code (the step, past the network) is the step
-    reading the vocabulary-sharded logits.
+    is not inside a module the plan splits (then it is the user's own, raised as it is).
 
     Example:
         >>> from torch.distributed.tensor.parallel import ColwiseParallel
@@ -67,10 +64,6 @@ def explain_forward_failure(
     """
     if not isinstance(error, (RuntimeError, ValueError, IndexError)) or isinstance(error, torch.OutOfMemoryError):
         return None
-    if vocab_parallel_head is not None:
-        explained = explain_logits_failure(error, root, vocab_parallel_head, tensor_parallel_size)
-        if explained is not None:
-            return explained
     for name in _failing_modules(error, root):
         split = _split_under(plan, name)
         if not split:
@@ -101,22 +94,6 @@ def explain_forward_failure(
             f" {_short(kept)}), or train this model with data or pipeline parallel."
         )
     return None
-
-
-def explain_logits_failure(
-    error: BaseException, root: nn.Module, vocab_parallel_head: str, tensor_parallel_size: int
-) -> Optional[HybridConfigError]:
-    """The configuration error for a DTensor error raised in ``root``'s own code (the step, past the network) when
-    the logits of ``vocab_parallel_head`` reach it split over the vocabulary; None for any other error."""
-    if "DTensor" not in str(error) or _failing_modules(error, root)[:1] != [""]:
-        return None
-    return HybridConfigError(
-        f"`vocab_parallel_loss=True` (the default) with `tensor_parallel_size={tensor_parallel_size}`: the step's"
-        f" own code failed on the logits of `{vocab_parallel_head}`, which it gets split over the vocabulary (a"
-        f" DTensor, for the loss's parallel cross entropy), with {type(error).__name__}: {error}. An argmax, a"
-        " comparison or an index into the logits needs them whole: pass `vocab_parallel_loss=False` (the head's"
-        " output is gathered, one all-gather of the logits per step)."
-    )
 
 
 def _style_name(style: object) -> str:
