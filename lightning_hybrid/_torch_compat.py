@@ -147,7 +147,7 @@ def make_wrapper_tensor(
     replacement: none.
 
     Example:
-        >>> # made = make_wrapper_tensor(StandIn, (2, 3), torch.float32, torch.device("cpu"))  (a __torch_dispatch__ class)
+        >>> # made = make_wrapper_tensor(StandIn, (2, 3), torch.float32, torch.device("cpu"))  # a dispatch class
     """
     return Tensor._make_wrapper_subclass(
         cls, shape, strides=strides, dtype=dtype, device=device, requires_grad=requires_grad
