@@ -162,9 +162,11 @@ class LossLab(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         from lightning_hybrid.tensor_parallel.vocab import VocabParallelLogits
 
-        before = VocabParallelLogits.gathers
         x, y = batch
         logits = self(x)
+        # counted from the network's output on (under a pipeline the micro-batches' steps interleave around their
+        # network calls, and a first-step check of the network may gather its output inside the call)
+        before = VocabParallelLogits.gathers
         names = list(LOSSES) if self.hparams.loss == "all" else [self.hparams.loss]
         loss = sum(LOSSES[name](self, logits, x, y) for name in names)
         self.gathers.append(VocabParallelLogits.gathers - before)

@@ -91,8 +91,12 @@ def test_loss_on_the_logits_trains_like_one_device(shared_groups, case: dict[str
         "nll_log_softmax",
         "label_smoothing",
     ):
-        # the cross-entropy runs on the vocabulary shares: the logits are never made whole for it
-        assert all(count == 0 for rank in gathers for count in rank), gathers
+        # the cross-entropy runs on the vocabulary shares: the logits are never made whole for it. transformers
+        # computes its loss inside the network call, where without a pipeline verify_tensor_parallel's check of the
+        # first call gathers the output once (its projection of the whole output)
+        plain_step = case["strategy"].get("pipeline_parallel_size", 1) == 1
+        first_check = 1 if case["model"] == "hf_labels" and plain_step else 0
+        assert all(rank[0] <= first_check and all(c == 0 for c in rank[1:]) for rank in gathers), gathers
     if case.get("predict"):  # the step's argmax of the logits, as one device computes it with the same weights
         module = LossLab(**case["model_kwargs"])
         module.load_state_dict(result["params"], strict=False)
