@@ -140,7 +140,7 @@ def test_timeout_takes_a_timedelta_or_seconds(given: Any, seconds: float) -> Non
     from lightning_hybrid.watchdog import resolve_timeout
 
     assert resolve_timeout(given).total_seconds() == seconds
-    assert HybridStrategy(timeout=given)._timeout.total_seconds() == seconds
+    assert HybridStrategy(timeout=given)._options.timeout.total_seconds() == seconds
 
 
 @pytest.mark.parametrize("given", [0, -5, "10m", True, timedelta(0)])

@@ -319,9 +319,9 @@ def test_a_loss_near_zero_is_compared_at_the_scale_of_its_terms() -> None:
     gradient norms agreed to 2e-9. Below 1 the loss's error is absolute; the gradient norm and larger losses stay
     relative, so a wrong value is still refused."""
     _verifier((-0.0080614, 0.25)).compare((-0.0080600, 0.25 * (1 + 2e-9)))  # rounding of cancelling terms: accepted
-    with pytest.raises(HybridConfigError, match=r"loss -0.00806 vs -0.00906 \(error 1.0e-03\)"):
+    with pytest.raises(HybridConfigError, match=r"value -0.00806 vs -0.00906 \(error 1.0e-03\)"):
         _verifier((-0.00806, 0.25)).compare((-0.00906, 0.25))
-    with pytest.raises(HybridConfigError, match=r"loss 5.001 vs 5 \(error 2.0e-04\)"):
+    with pytest.raises(HybridConfigError, match=r"value 5.001 vs 5 \(error 2.0e-04\)"):
         _verifier((5.001, 0.25)).compare((5.0, 0.25))
     with pytest.raises(HybridConfigError, match=r"gradient norm 0.25 vs 0.2501"):
         _verifier((-0.0080614, 0.25)).compare((-0.0080614, 0.2501))
@@ -330,14 +330,14 @@ def test_a_loss_near_zero_is_compared_at_the_scale_of_its_terms() -> None:
 def test_the_check_projection_is_scaled_by_its_terms_magnitude() -> None:
     """The random projection of the network's output is divided by the sum of its terms' magnitudes: a value in
     [-1, 1] whose rounding is absolute, whatever the output's size; its gradient points the same way."""
-    from lightning_hybrid.tensor_parallel.verify import _projection
+    from lightning_hybrid.pipeline.verify import projection
 
     logits = torch.randn(2, 8, 50, requires_grad=True)
-    value = _projection((logits, torch.ones(3, dtype=torch.long)))
+    value = projection((logits, torch.ones(3, dtype=torch.long)))
     weights = torch.randn((2, 8, 50), generator=torch.Generator().manual_seed(0))
     terms = logits.detach() * weights
     assert -1 <= float(value) <= 1
     assert float(value) == pytest.approx(float(terms.sum() / terms.abs().sum()), rel=1e-6)
     value.backward()
     assert torch.allclose(logits.grad, weights / terms.abs().sum(), rtol=1e-6)
-    assert _projection(torch.ones(3, dtype=torch.long)) is None
+    assert projection(torch.ones(3, dtype=torch.long)) is None
