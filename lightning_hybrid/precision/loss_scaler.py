@@ -31,8 +31,8 @@ class LossScaleError(RuntimeError):
 @dataclass(frozen=True, kw_only=True)
 class LossScalerOptions:
     """The settings of :class:`DynamicLossScaler` (Megatron/DeepSpeed defaults), checked at construction: the one
-    definition of their names, types and defaults, which ``DynamicLossScaler(...)`` and
-    ``HybridPrecision(...)`` take as keyword arguments (``config.takes_fields_of``).
+    definition of their names, types and defaults, which ``DynamicLossScaler(...)`` and ``HybridPrecision(...)`` take
+    as arguments (``config.takes_fields_of``).
 
     Example:
         >>> LossScalerOptions(growth_interval=500).growth_interval
