@@ -14,7 +14,9 @@ belongs to; a field of several words is already specific and is the flat name as
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Optional, Union
 
@@ -36,6 +38,7 @@ __all__ = [
     "check_pretrained_weights",
     "check_sizes",
     "flat_argument",
+    "takes_fields_of",
 ]
 
 
@@ -404,3 +407,53 @@ def build_section(section: str, flat: Mapping[str, Any], given: Any) -> Any:
             value = in_section
         values[option.name] = value
     return options(**values)
+
+
+def takes_fields_of(
+    options: type, *, keyword_only: bool = True
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give ``__init__(self, ..., **settings)`` the fields of the dataclass ``options`` as parameters after its own
+    (keyword-only unless ``keyword_only=False``), their names, types and defaults read from the fields: so each default
+    is written once, in its field, and ``inspect.signature``, ``typing.get_type_hints`` and LightningCLI's jsonargparse
+    read the constructor as if written by hand (``--help``, type checks, YAML ``init_args``). The init receives the
+    arguments given, by name (``options(**settings)`` fills in the rest); an argument that is none of them, or given
+    twice, is a ``TypeError`` as for a hand-written signature.
+
+    Example:
+        >>> @dataclass(frozen=True)
+        ... class Sizes:
+        ...     width: int = 2
+        >>> class Box:
+        ...     @takes_fields_of(Sizes)
+        ...     def __init__(self, name: str = "box", **sizes: Any) -> None:
+        ...         self.sizes = Sizes(**sizes)
+        >>> inspect.signature(Box)
+        <Signature (name: str = 'box', *, width: int = 2) -> None>
+        >>> Box(width=3).sizes.width
+        3
+    """
+    kind = inspect.Parameter.KEYWORD_ONLY if keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+    hints = typing.get_type_hints(options)
+    added = [inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]) for f in fields(options)]
+
+    def decorate(init: Callable[..., None]) -> Callable[..., None]:
+        own_hints = typing.get_type_hints(init)
+        own = [p.replace(annotation=own_hints.get(p.name, p.annotation))
+               for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]  # fmt: skip
+        signature = inspect.Signature([*own, *added], return_annotation=None)
+
+        def init_with_fields(*args: Any, **kwargs: Any) -> None:
+            try:
+                arguments = signature.bind(*args, **kwargs).arguments
+            except TypeError as error:  # as Python words it for a hand-written signature
+                raise TypeError(f"{init.__qualname__}() {error}") from None
+            init(**arguments)
+
+        for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(init_with_fields, name, getattr(init, name))
+        init_with_fields.__signature__ = signature  # type: ignore[attr-defined]
+        init_with_fields.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()
+                                            if p.annotation is not p.empty} | {"return": None}  # fmt: skip
+        return init_with_fields
+
+    return decorate

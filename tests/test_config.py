@@ -476,6 +476,15 @@ def test_the_constructor_examples_run():
     assert runner.summarize(verbose=False).failed == 0
 
 
+def test_takes_fields_of_example_runs():
+    import lightning_hybrid.config as module
+
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for test in finder.find(module.takes_fields_of, "takes_fields_of", module=module, globs=vars(module).copy()):
+        runner.run(test)
+    assert runner.summarize(verbose=False) == (0, 4)  # failed, attempted
+
+
 def test_strategy_is_registered_by_name():
     from lightning.pytorch.strategies import StrategyRegistry
 

@@ -6,8 +6,11 @@ Every multi-process scenario runs in one launched group of 8 CPU processes (2x2x
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import math
+import typing
 import warnings
 from typing import Any
 
@@ -18,7 +21,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_hybrid import HybridPrecision
 from lightning_hybrid.config import HybridConfigError
-from lightning_hybrid.precision import DynamicLossScaler, LossScaleError
+from lightning_hybrid.precision import DynamicLossScaler, LossScaleError, LossScalerOptions
 from lightning_hybrid.sharding import expected_model_state_bytes
 from tests.conftest import relative_error, share
 from tests.harness import run_reference
@@ -466,6 +469,27 @@ def test_bad_precision_arguments_name_the_parameter_the_value_and_the_fix(kwargs
     if "precision" not in kwargs:  # the scaler itself refuses them the same way
         with pytest.raises(HybridConfigError, match=match):
             DynamicLossScaler(**kwargs)
+
+
+def test_the_scaler_settings_are_defined_once_and_both_constructors_take_them() -> None:
+    # the fields of LossScalerOptions are HybridPrecision's keyword-only arguments and DynamicLossScaler's arguments,
+    # with their types and defaults (what jsonargparse reads for --help, type checks and YAML init_args)
+    hints = typing.get_type_hints(LossScalerOptions)
+    keyword_only, positional = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for constructor, kind in ((HybridPrecision, keyword_only), (DynamicLossScaler, positional)):
+        parameters, types = inspect.signature(constructor).parameters, typing.get_type_hints(constructor.__init__)
+        for f in dataclasses.fields(LossScalerOptions):
+            parameter = parameters[f.name]
+            assert (parameter.default, parameter.kind, types[f.name]) == (f.default, kind, hints[f.name])
+    assert list(inspect.signature(HybridPrecision).parameters)[:2] == ["precision", "device"]
+    assert not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(HybridPrecision).parameters.values())
+    with pytest.raises(TypeError, match=r"HybridPrecision.__init__\(\) got an unexpected keyword argument 'growth'"):
+        HybridPrecision("bf16-mixed", growth=2.0)  # a misspelt setting is refused in every mode
+    with pytest.raises(TypeError, match=r"DynamicLossScaler.__init__\(\) got an unexpected keyword argument 'growth'"):
+        DynamicLossScaler(growth=2.0)
+    scaler = HybridPrecision("16-mixed", growth_interval=7).scaler
+    assert scaler is not None and (scaler.growth_interval, scaler.hysteresis) == (7, LossScalerOptions().hysteresis)
+    assert DynamicLossScaler(8.0).scale == 8.0  # positionally, as before
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"])

@@ -27,12 +27,11 @@ from lightning_hybrid.checkpoint.format import (
     HUGGING_FACE_KEY,
     CheckpointError,
     SafeFileSystemReader,
-    check_files,
-    check_shard_files,
     lightning_entries,
+    read_index,
     read_meta,
 )
-from lightning_hybrid.checkpoint.integrity import integrity_problems
+from lightning_hybrid.checkpoint.integrity import checkpoint_problems
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.dtensor import is_fused
 
@@ -300,9 +299,8 @@ def _weights(
     ``meta.pt``. Names are the LightningModule's (``own_keys``) or, when it held a Hugging Face model, that model's
     own, its tied copies left out as ``save_pretrained`` leaves them out. Raises :class:`CheckpointError` naming each
     file that fails its checks (``verb``: what was asked, for the message)."""
-    problems = check_files(source) or integrity_problems(source, verify=verify)  # before unpickling the index
-    metadata = SafeFileSystemReader(str(source)).read_metadata() if not problems else None
-    problems = problems or check_shard_files(source, metadata)
+    problems = checkpoint_problems(source, verify=verify)  # before unpickling the index
+    metadata, problems = read_index(source) if not problems else (None, problems)
     if problems:
         raise CheckpointError(f"Cannot {verb} {source}:\n  " + "\n  ".join(problems))
     assert metadata is not None

@@ -35,6 +35,7 @@ __all__ = [
     "check_files",
     "check_shard_files",
     "lightning_entries",
+    "read_index",
     "read_meta",
     "staging_path",
 ]
@@ -185,3 +186,10 @@ def check_shard_files(path: Path, metadata: Any) -> list[str]:
         elif file.stat().st_size < size:
             problems.append(f"shard file {name} is truncated ({file.stat().st_size} bytes, the index needs {size})")
     return problems
+
+
+def read_index(path: Path) -> tuple[Metadata, list[str]]:
+    """DCP's index of checkpoint ``path`` and what is wrong with the shard files it names (missing, truncated). The
+    index is unpickled: read it once the files passed their checks (``integrity.checkpoint_problems``)."""
+    metadata = SafeFileSystemReader(str(path)).read_metadata()
+    return metadata, check_shard_files(path, metadata)

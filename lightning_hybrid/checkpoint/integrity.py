@@ -21,9 +21,16 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_hybrid.checkpoint.format import CheckpointError
+from lightning_hybrid.checkpoint.format import CheckpointError, check_files
 
-__all__ = ["ALGORITHM", "COMMIT_FILENAME", "HashedWriteResults", "file_digest", "integrity_problems"]
+__all__ = [
+    "ALGORITHM",
+    "COMMIT_FILENAME",
+    "HashedWriteResults",
+    "checkpoint_problems",
+    "file_digest",
+    "integrity_problems",
+]
 
 COMMIT_FILENAME = "commit.json"
 ALGORITHM = "sha256"
@@ -158,3 +165,14 @@ def integrity_problems(path: Path, *, verify: bool = True, rank: int = 0, world:
                 " (its content changed after the save: a disk, copy or transfer error)"
             )
     return problems
+
+
+def checkpoint_problems(path: Path, *, verify: bool = True, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with checkpoint directory ``path`` before anything in it is unpickled, as this rank sees it: the
+    directory and its index files (``format.check_files``), then every file against the commit record
+    (:func:`integrity_problems`: rank ``rank`` of ``world`` hashes its share, so ranks share the problems found).
+
+    Example:
+        >>> # checkpoint_problems(Path("last.ckpt"))  # [] or ["... .metadata missing (the save did not finish)."]
+    """
+    return check_files(path) or integrity_problems(path, verify=verify, rank=rank, world=world)

@@ -40,18 +40,17 @@ from lightning_hybrid.checkpoint.format import (  # noqa: F401  (LAYOUT_KEY, VER
     VERSIONS_KEY,
     CheckpointError,
     SafeFileSystemReader,
-    check_files,
-    check_shard_files,
     lightning_entries,
+    read_index,
     read_meta,
     staging_path,
 )
 from lightning_hybrid.checkpoint.integrity import (
     NO_VERIFY_HINT,
     bytes_digest,
+    checkpoint_problems,
     file_digest,
     hashed,
-    integrity_problems,
     write_commit_record,
     write_file,
 )
@@ -353,10 +352,7 @@ def checked_files(path: Path, *, verify: bool = True) -> list[str]:
         >>> # checked_files(Path("last.ckpt"))  # [] or ["file __0_0.distcp is corrupt: ..."]
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    problems = check_files(path)
-    if not problems:
-        problems = integrity_problems(path, verify=verify, rank=rank, world=world)
-    return _agree(problems)
+    return _agree(checkpoint_problems(path, verify=verify, rank=rank, world=world))
 
 
 def _last_candidates(path: Path, trainer: Any) -> list[str]:
@@ -454,8 +450,7 @@ def load_sharded(
     problems = checked_files(path, verify=verify)  # before anything in them is unpickled
     if problems:
         _raise(path, problems)
-    metadata = SafeFileSystemReader(str(path)).read_metadata()
-    problems = check_shard_files(path, metadata)
+    metadata, problems = read_index(path)
     if problems:
         _raise(path, problems)
     meta = read_meta(path, weights_only=weights_only)

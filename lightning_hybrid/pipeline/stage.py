@@ -79,6 +79,26 @@ class _ReadsAttributesOf(nn.Module):
                 raise
             return getattr(shadow, name)
 
+    def _meta_forward(self, args: tuple, kwargs: dict, made_of: Callable[[Any], Any] = lambda out: out) -> Any:
+        """``made_of`` what the module's meta copy returns on meta copies of ``args`` (cached in
+        ``self.__dict__["_meta_outputs"]`` per input signature), or None where there is no copy or it cannot run on
+        meta tensors."""
+        shadow = self.__dict__["_shadow"]
+        if shadow is None:
+            return None
+        key = _signature((args, kwargs))
+        cache = self.__dict__["_meta_outputs"]
+        if key is None or key not in cache:
+            try:
+                with torch.no_grad():
+                    made = made_of(shadow(*to_meta(args), **to_meta(kwargs)))
+            except Exception:  # a forward that reads values (``.item()``, data-dependent shapes) cannot run on meta
+                made = None
+            if key is None:
+                return made
+            cache[key] = made
+        return cache[key]
+
 
 class SkippedBlock(_ReadsAttributesOf):
     """A block that another stage holds: returns what the block returns, without parameters or compute.
@@ -117,27 +137,8 @@ class SkippedBlock(_ReadsAttributesOf):
         hidden = found[1]
         template = self.__dict__["_templates"].get(self.__dict__["_index"])
         if template is None and not self.__dict__["_held"]:
-            template = self._meta_template(args, kwargs)
+            template = self._meta_forward(args, kwargs, template_of)
         return hidden if template is None else build_output(template, hidden.device, hidden)
-
-    def _meta_template(self, args: tuple, kwargs: dict) -> Any:
-        """What the block's meta copy returns on meta copies of ``args`` (cached per input signature), as a
-        template; None where it cannot run on meta tensors."""
-        shadow = self.__dict__["_shadow"]
-        if shadow is None:
-            return None
-        key = _signature((args, kwargs))
-        cache = self.__dict__["_meta_outputs"]
-        if key is None or key not in cache:
-            try:
-                with torch.no_grad():
-                    made = template_of(shadow(*to_meta(args), **to_meta(kwargs)))
-            except Exception:  # a block that reads values cannot run on meta tensors
-                made = None
-            if key is None:
-                return made
-            cache[key] = made
-        return cache[key]
 
 
 class InputStub(_ReadsAttributesOf):
@@ -183,7 +184,7 @@ class InputStub(_ReadsAttributesOf):
 
     def _stub_output(self, args: tuple, kwargs: dict) -> Any:
         device = next((t.device for t in tensors_in((args, kwargs))), torch.device("cpu"))
-        meta = self._meta_output(args, kwargs)
+        meta = self._meta_forward(args, kwargs)
         if meta is not None:
             # floating outputs in the stub's dtype: the strategy sets it when '-true' precisions convert the module
             floating = self.dtype if self.dtype.is_floating_point else None
@@ -196,24 +197,6 @@ class InputStub(_ReadsAttributesOf):
         x = args[0] if args else first_tensor(args, kwargs)[1]  # type: ignore[index]
         shape = {"append": (*x.shape, self.size), "replace_last": (*x.shape[:-1], self.size)}.get(self.kind, x.shape)
         return torch.zeros(shape, dtype=self.dtype, device=x.device)
-
-    def _meta_output(self, args: tuple, kwargs: dict) -> Any:
-        """The module's output on meta inputs of the same shapes (cached per input signature), or None."""
-        shadow = self.__dict__["_shadow"]
-        if shadow is None:
-            return None
-        key = _signature((args, kwargs))
-        cache = self.__dict__["_meta_outputs"]
-        if key is None or key not in cache:
-            try:
-                with torch.no_grad():
-                    out = shadow(*to_meta(args), **to_meta(kwargs))
-            except Exception:  # a forward that reads values (``.item()``, data-dependent shapes) cannot run on meta
-                out = None
-            if key is None:
-                return out
-            cache[key] = out
-        return cache[key]
 
 
 def _signature(obj: Any) -> Optional[tuple]:
@@ -249,7 +232,7 @@ class _LiveInputStub(InputStub):
         self.dtype = next(self.__dict__["held"].parameters()).dtype
         return super().forward(*args, **kwargs)
 
-    def _meta_output(self, args: tuple, kwargs: dict) -> Any:
+    def _meta_forward(self, args: tuple, kwargs: dict, made_of: Callable[[Any], Any] = lambda out: out) -> Any:
         return None  # the held module is real (and may be sharded): its output shape is inferred by kind
 
 

@@ -9,7 +9,8 @@ class; the unscale itself is torch's fused ``_amp_foreach_non_finite_check_and_u
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
@@ -18,16 +19,48 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_hybrid._torch_compat import non_finite_check_and_unscale_
-from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.config import HybridConfigError, takes_fields_of
 
-__all__ = ["DynamicLossScaler", "LossScaleError"]
+__all__ = ["DynamicLossScaler", "LossScaleError", "LossScalerOptions"]
 
 
 class LossScaleError(RuntimeError):
     """Raised (on every rank alike) when gradients overflow at the minimum scale and ``on_min_scale="stop"``."""
 
 
-def _check_scaler_arguments(**values: Any) -> None:
+@dataclass(frozen=True, kw_only=True)
+class LossScalerOptions:
+    """The settings of :class:`DynamicLossScaler` (Megatron/DeepSpeed defaults), checked at construction: the one
+    definition of their names, types and defaults, which ``DynamicLossScaler(...)`` and ``HybridPrecision(...)`` take
+    as arguments (``config.takes_fields_of``).
+
+    Example:
+        >>> LossScalerOptions(growth_interval=500).growth_interval
+        500
+    """
+
+    initial_scale: float = 2.0**16
+    """The scale to start from."""
+    growth_factor: float = 2.0
+    """What the scale is multiplied by after ``growth_interval`` clean steps in a row."""
+    backoff_factor: float = 0.5
+    """What the scale is multiplied by on an overflow, once the hysteresis is used up."""
+    growth_interval: int = 1000
+    """The clean steps in a row before the scale grows."""
+    hysteresis: int = 2
+    """The overflows tolerated before the scale backs off (1: back off at once)."""
+    min_scale: float = 1.0
+    """The floor of the scale."""
+    on_min_scale: Literal["warn", "stop"] = "warn"
+    """What an overflow at ``min_scale`` does: skip the step and go on (``"warn"``) or raise :class:`LossScaleError`."""
+    max_consecutive_skipped_steps: Optional[int] = 1000
+    """The overflowed steps in a row after which training stops cleanly; None: never stop."""
+
+    def __post_init__(self) -> None:
+        _check_scaler_arguments(vars(self))
+
+
+def _check_scaler_arguments(values: Mapping[str, Any]) -> None:
     """Refuse a loss-scaler setting that cannot work, naming the parameter, the value and the fix. The settings are
     given to ``HybridPrecision(...)`` (or the Trainer's ``plugins=``); every rank builds it alike, before any
     collective."""
@@ -103,37 +136,19 @@ class DynamicLossScaler:
         (2, True)
     """
 
-    def __init__(
-        self,
-        initial_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1.0,
-        on_min_scale: Literal["warn", "stop"] = "warn",
-        max_consecutive_skipped_steps: Optional[int] = 1000,
-    ) -> None:
-        _check_scaler_arguments(
-            initial_scale=initial_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            on_min_scale=on_min_scale,
-            max_consecutive_skipped_steps=max_consecutive_skipped_steps,
-        )
-        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
-        self.growth_interval, self.hysteresis = growth_interval, hysteresis
-        self.min_scale, self.on_min_scale = float(min_scale), on_min_scale
-        self.scale = float(initial_scale)
+    @takes_fields_of(LossScalerOptions, keyword_only=False)
+    def __init__(self, **settings: Any) -> None:
+        options = LossScalerOptions(**settings)  # each setting checked once, on every rank alike
+        self.growth_factor, self.backoff_factor = float(options.growth_factor), float(options.backoff_factor)
+        self.growth_interval, self.hysteresis = options.growth_interval, options.hysteresis
+        self.min_scale, self.on_min_scale = float(options.min_scale), options.on_min_scale
+        self.scale = float(options.initial_scale)
         self.clean_steps = 0
         """Steps without overflow since the last growth or overflow."""
-        self.hysteresis_left = hysteresis
+        self.hysteresis_left = options.hysteresis
         self.skipped_steps = 0
         """Optimizer steps skipped because of an overflow, since the start of training (running count)."""
-        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
+        self.max_consecutive_skipped_steps = options.max_consecutive_skipped_steps
         self.consecutive_skipped_steps = 0
         """Optimizer steps skipped in a row, up to the last one (0 after a clean step)."""
         self._warned_at_min_scale = False

@@ -29,9 +29,9 @@ from torch.optim import LBFGS
 from typing_extensions import override
 
 from lightning_hybrid._lightning_compat import convert_fp_tensor, module_trainer, wrap_closure
-from lightning_hybrid.config import HybridConfigError
+from lightning_hybrid.config import HybridConfigError, takes_fields_of
 from lightning_hybrid.dtensor import local_tensor
-from lightning_hybrid.precision.loss_scaler import DynamicLossScaler
+from lightning_hybrid.precision.loss_scaler import DynamicLossScaler, LossScalerOptions
 
 __all__ = ["HybridPrecision", "OptimizerStepState", "PRECISIONS", "check_supported"]
 
@@ -84,19 +84,12 @@ class HybridPrecision(Precision):
         >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(), plugins=[plugin])
     """
 
+    @takes_fields_of(LossScalerOptions)  # the scaler's settings, as keyword-only arguments
     def __init__(
         self,
         precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"] = "32-true",
         device: str = "cpu",
-        *,
-        initial_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1.0,
-        on_min_scale: Literal["warn", "stop"] = "warn",
-        max_consecutive_skipped_steps: Optional[int] = 1000,
+        **loss_scaler: Any,
     ) -> None:
         if precision not in PRECISIONS:
             raise HybridConfigError(
@@ -112,18 +105,8 @@ class HybridPrecision(Precision):
         """The dtype of the model's parameters (``-true`` modes: low precision; the optimizer holds fp32 masters)."""
         self.master_dtype: Optional[torch.dtype] = torch.float32 if self.parameter_dtype != torch.float32 else None
         """The dtype of the master weights the optimizer steps, when the parameters are of lower precision."""
-        self.scaler: Optional[DynamicLossScaler] = None
-        if kind == "16":
-            self.scaler = DynamicLossScaler(
-                initial_scale=initial_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                min_scale=min_scale,
-                on_min_scale=on_min_scale,
-                max_consecutive_skipped_steps=max_consecutive_skipped_steps,
-            )
+        # the other modes take the scaler's settings too (one configuration for every precision) and ignore them
+        self.scaler: Optional[DynamicLossScaler] = DynamicLossScaler(**loss_scaler) if kind == "16" else None
         self._clip: Optional[Callable[[Any, float], Optional[float]]] = None
         self._gradients_for_clipping: Optional[Callable[[Any], OptimizerStepState]] = None
         self._step = OptimizerStepState()
