@@ -146,3 +146,35 @@ def test_a_seed_set_inside_the_construction_is_replayed() -> None:
     for key, value in reference.state_dict().items():
         assert torch.equal(value, module.state_dict()[key]), key
     assert torch.equal(torch.rand(2), draw_after_reference)
+
+
+def test_materialized_tensors_are_the_objects_taken_before() -> None:
+    """What holds a tensor before materialization (a tied head, a table of shared parameters, an unsplit deep copy's
+    own ties) holds the real one after: each meta tensor becomes real in place, tied ones stay one object, and the
+    attributes set on a parameter stay on it. ``nn.Module._apply`` (``to_empty``) gave each module a new object."""
+    import copy
+
+    from lightning_hybrid.construction.materialize import allocate
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.table = nn.Parameter(torch.randn(6, 4))  # a bare parameter of the root
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("steps", torch.zeros(3))
+
+    torch.manual_seed(SEED)
+    with record_construction() as record:
+        net = Tied()
+    net.table.marked = True
+    taken = {"embed": net.embed.weight, "table": net.table, "steps": net.steps}
+    unsplit = copy.deepcopy(net)
+    materialize(net, construction_targets(net, record), torch.device("cpu"))
+    allocate(unsplit, torch.device("cpu"))
+    assert net.embed.weight is taken["embed"] and net.head.weight is taken["embed"] and not taken["embed"].is_meta
+    assert net.table is taken["table"] and net.table.marked and net.steps is taken["steps"]
+    assert unsplit.head.weight is unsplit.embed.weight and not unsplit.head.weight.is_meta
+    torch.manual_seed(SEED)
+    assert torch.equal(net.embed.weight, Tied().embed.weight)
