@@ -178,3 +178,36 @@ def test_materialized_tensors_are_the_objects_taken_before() -> None:
     assert unsplit.head.weight is unsplit.embed.weight and not unsplit.head.weight.is_meta
     torch.manual_seed(SEED)
     assert torch.equal(net.embed.weight, Tied().embed.weight)
+
+
+def test_no_call_of_the_replay_outlives_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that holds neither of two weights initialized twice in a row (Hugging Face's ``post_init``: the head's
+    own ``reset_parameters``, then ``_init_weights``) draws both into scratch for the generator's sake; each scratch,
+    and each real storage once released, is gone before the next call allocates: the replay holds one full tensor at
+    a time, not two. Every tensor the replay hands out is watched (a weak reference), and none of an earlier call may
+    be alive when the next one starts."""
+    import sys
+    import weakref
+
+    replay_module = sys.modules["lightning_hybrid.construction.replay"]
+    with record_construction() as record:
+        held, other = nn.Linear(64, 64), nn.Linear(64, 64)
+        for layer in (held, other):
+            nn.init.normal_(layer.weight)  # overwrites reset_parameters' draw
+    handed_out: list[weakref.ref] = []
+    original_view, original_call = replay_module._Storages.view, replay_module._call
+
+    def watched_view(self: object, v: object, scratch: object = None) -> torch.Tensor:
+        t = original_view(self, v, scratch)
+        handed_out.append(weakref.ref(t))
+        return t
+
+    def checked_call(*args: object) -> list[torch.Tensor]:
+        assert all(ref() is None for ref in handed_out), "a tensor of an earlier call is still alive"
+        return original_call(*args)
+
+    monkeypatch.setattr(replay_module._Storages, "view", watched_view)
+    monkeypatch.setattr(replay_module, "_call", checked_call)
+    targets = construction_targets(held, record)
+    report = replay_module.replay(record, torch.device("cpu"), targets.by_storage, lambda key, view: None)
+    assert len(handed_out) > 4 and report.peak_bytes <= 64 * 64 * 4  # one weight at a time, scratch counted
