@@ -169,6 +169,9 @@ def test_materialized_tensors_are_the_objects_taken_before() -> None:
     with record_construction() as record:
         net = Tied()
     net.table.marked = True
+    seen: list[str] = []
+    net.table.register_hook(lambda grad: seen.append("hook") or grad)  # a hook set up around the meta tensor
+    net.table.register_post_accumulate_grad_hook(lambda p: seen.append("post-accumulate hook"))
     taken = {"embed": net.embed.weight, "table": net.table, "steps": net.steps}
     unsplit = copy.deepcopy(net)
     materialize(net, construction_targets(net, record), torch.device("cpu"))
@@ -178,6 +181,8 @@ def test_materialized_tensors_are_the_objects_taken_before() -> None:
     assert unsplit.head.weight is unsplit.embed.weight and not unsplit.head.weight.is_meta
     torch.manual_seed(SEED)
     assert torch.equal(net.embed.weight, Tied().embed.weight)
+    net.table.sum().backward()
+    assert seen == ["hook", "post-accumulate hook"]
 
 
 def test_no_call_of_the_replay_outlives_it(monkeypatch: pytest.MonkeyPatch) -> None:

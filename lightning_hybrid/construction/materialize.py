@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_hybrid._torch_compat import reinstall_tensor_hooks
 from lightning_hybrid.construction.record import ConstructionRecord, StorageView
 from lightning_hybrid.construction.replay import ReplayReport, replay
 
@@ -82,10 +83,11 @@ def allocate(module: nn.Module, device: torch.device) -> None:
     Each tensor keeps its identity: the meta object becomes the real one in place (``torch.utils.swap_tensors``), so
     whatever took a parameter before materialization still holds the one that trains: a weight tied on two modules
     (a head tied to the embedding, in the model and in an unsplit copy), the pipeline's shared-parameter table, the
-    tensor-parallel gradient sums. ``nn.Module._apply``, which ``to_empty`` uses, makes a new ``Parameter`` for a
-    plain tensor that changes device, one per module that registers it: ties broke and those tables kept the meta
-    tensors. DTensors (tensor parallel, ZeRO-3's shards) still go through ``_apply``, which swaps them in place too
-    and lets FSDP2 re-point its sharded storage at the new local tensors."""
+    tensor-parallel gradient sums, a hook registered on it (installed again on the real tensor's autograd record).
+    ``nn.Module._apply``, which ``to_empty`` uses, makes a new ``Parameter`` for a plain tensor that changes device,
+    one per module that registers it: ties broke and those tables kept the meta tensors. DTensors (tensor parallel,
+    ZeRO-3's shards) still go through ``_apply``, which swaps them in place too and lets FSDP2 re-point its sharded
+    storage at the new local tensors."""
     with torch.no_grad():
         for owner in module.modules():
             held = [
@@ -97,6 +99,8 @@ def allocate(module: nn.Module, device: torch.device) -> None:
                 if isinstance(t, Tensor) and t.is_meta and type(t) in (Tensor, nn.Parameter):
                     _make_real_in_place(t, device)
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    for t in module.parameters():  # hooks registered on a parameter before (the swaps left them on the meta record)
+        reinstall_tensor_hooks(t)
     for owner in module.modules():  # tensor attributes of a subclass type, which _apply does not see
         for attribute, t in list(vars(owner).items()):
             if isinstance(t, Tensor) and t.is_meta and attribute[:2] != "__":
