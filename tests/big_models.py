@@ -242,7 +242,7 @@ class PositionTableModule(_NextToken):
 
 
 class TiedCausalLM(_NextToken):
-    """A Hugging Face causal LM of ``family`` (``"llama"``, ``"qwen2"``) with ``tie_word_embeddings=True``, from a
+    """A Hugging Face causal LM of ``family`` (``"llama"``, ``"gemma"``, ...) with ``tie_word_embeddings=True``, from a
     config (no download), built in ``configure_model`` or (``build="init"``) in ``__init__``."""
 
     def __init__(self, family: str = "llama", build: str = "configure_model", learning_rate: float = 1e-4,
