@@ -164,6 +164,8 @@ def test_materialized_tensors_are_the_objects_taken_before() -> None:
             self.head = nn.Linear(4, 10, bias=False)
             self.head.weight = self.embed.weight
             self.register_buffer("steps", torch.zeros(3))
+            self.register_buffer("grid", torch.ones(4, 4).tril())
+            self.register_buffer("grid_view", self.grid.view(1, 1, 4, 4))  # keeps the grid's record until it is swapped
 
     torch.manual_seed(SEED)
     with record_construction() as record:
@@ -172,12 +174,13 @@ def test_materialized_tensors_are_the_objects_taken_before() -> None:
     seen: list[str] = []
     net.table.register_hook(lambda grad: seen.append("hook") or grad)  # a hook set up around the meta tensor
     net.table.register_post_accumulate_grad_hook(lambda p: seen.append("post-accumulate hook"))
-    taken = {"embed": net.embed.weight, "table": net.table, "steps": net.steps}
+    taken = {"embed": net.embed.weight, "table": net.table, "steps": net.steps, "grid": net.grid}
     unsplit = copy.deepcopy(net)
     materialize(net, construction_targets(net, record), torch.device("cpu"))
     allocate(unsplit, torch.device("cpu"))
     assert net.embed.weight is taken["embed"] and net.head.weight is taken["embed"] and not taken["embed"].is_meta
     assert net.table is taken["table"] and net.table.marked and net.steps is taken["steps"]
+    assert net.grid is taken["grid"] and torch.equal(net.grid_view[0, 0], net.grid) and net.grid.sum() == 10
     assert unsplit.head.weight is unsplit.embed.weight and not unsplit.head.weight.is_meta
     torch.manual_seed(SEED)
     assert torch.equal(net.embed.weight, Tied().embed.weight)

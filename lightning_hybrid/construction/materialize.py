@@ -88,30 +88,39 @@ def allocate(module: nn.Module, device: torch.device) -> None:
     one per module that registers it: ties broke and those tables kept the meta tensors. DTensors (tensor parallel,
     ZeRO-3's shards) still go through ``_apply``, which swaps them in place too and lets FSDP2 re-point its sharded
     storage at the new local tensors."""
-    with torch.no_grad():
-        for owner in module.modules():
-            held = [
-                *(t for _, t in owner.named_parameters(recurse=False, remove_duplicate=False)),
-                *(t for _, t in owner.named_buffers(recurse=False, remove_duplicate=False)),
-                *(t for n, t in vars(owner).items() if n[:2] != "__"),
-            ]
-            for t in held:
-                if isinstance(t, Tensor) and t.is_meta and type(t) in (Tensor, nn.Parameter):
-                    _make_real_in_place(t, device)
+    pending: dict[int, Tensor] = {}
+    for owner in module.modules():
+        held = [
+            *(t for _, t in owner.named_parameters(recurse=False, remove_duplicate=False)),
+            *(t for _, t in owner.named_buffers(recurse=False, remove_duplicate=False)),
+            *(t for n, t in vars(owner).items() if n[:2] != "__"),
+        ]
+        plain = (t for t in held if isinstance(t, Tensor) and type(t) in (Tensor, nn.Parameter))
+        pending.update((id(t), t) for t in plain if t.is_meta)
+    # a tensor a view still refers to cannot be swapped until the view is (its record is then let go): a second round;
+    # what is left (held from outside the module) is made anew on its owners by _apply below, as to_empty does
+    for _ in range(2):
+        pending = {key: t for key, t in pending.items() if not _made_real_in_place(t, device)}
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     for t in module.parameters():  # hooks registered on a parameter before (the swaps left them on the meta record)
         reinstall_tensor_hooks(t)
-    for owner in module.modules():  # tensor attributes of a subclass type, which _apply does not see
+    for owner in module.modules():  # tensor attributes _apply does not see (of a subclass type, or held from outside)
         for attribute, t in list(vars(owner).items()):
             if isinstance(t, Tensor) and t.is_meta and attribute[:2] != "__":
                 setattr(owner, attribute, torch.empty_like(t, device=device))
 
 
-def _make_real_in_place(t: Tensor, device: torch.device) -> None:
-    real = torch.empty_like(t, device=device)
+def _made_real_in_place(t: Tensor, device: torch.device) -> bool:
+    """Swap real storage into ``t``; False where something else holds its record (a view of it)."""
+    with torch.no_grad():
+        real = torch.empty_like(t, device=device)
     replacement = nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else real
     replacement.__dict__.update(t.__dict__)  # the swap exchanges the objects' attributes too: keep t's
-    torch.utils.swap_tensors(t, replacement)
+    try:
+        torch.utils.swap_tensors(t, replacement)
+    except RuntimeError:
+        return False
+    return True
 
 
 def materialize(module: nn.Module, targets: ConstructionTargets, device: torch.device) -> ReplayReport:
