@@ -51,6 +51,7 @@ __all__ = [
     "op_argument_names",
     "op_name",
     "privateuse1_backend_name",
+    "reinstall_tensor_hooks",
     "queue_autograd_callback",
     "resolve_process_group",
     "strided_shard",
@@ -457,6 +458,19 @@ def fake_tensor_mode() -> Generator[None, None, None]:
             yield
     finally:
         logger.setLevel(level)
+
+
+def reinstall_tensor_hooks(t: Tensor) -> None:
+    """``t._backward_hooks`` and ``t._post_accumulate_grad_hooks``: the hooks ``register_hook`` and
+    ``register_post_accumulate_grad_hook`` keep on the Python tensor, which their setters install on the tensor's
+    autograd record. ``torch.utils.swap_tensors`` (and ``nn.Module._apply``, which swaps tensor subclasses) exchanges
+    that record and leaves the hooks with the old one; setting the same hooks again installs them on the new one
+    (the setters replace, so a tensor whose hooks were not lost keeps one copy). Checked on torch 2.13; both
+    attributes exist since torch 2.1. Public replacement: none."""
+    for attribute in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(t, attribute, None)
+        if hooks:
+            setattr(t, attribute, hooks)
 
 
 def storage_identity(t: Tensor) -> int:

@@ -159,12 +159,126 @@ class UnseenDeferred(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
 
 
+class _TableBlock(nn.Module):
+    """Pre-norm attention and MLP, written here (heads found from the width: tensor parallel keeps whole heads)."""
+
+    def __init__(self, dim: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.norm_a, self.norm_m = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.query, self.key, self.value = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.mix = nn.Linear(dim, dim, bias=False)
+        self.widen, self.narrow = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        h = self.norm_a(x)
+        q, k, v = (p(h).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.query, self.key, self.value))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.mix(attended)
+        return x + self.narrow(F.gelu(self.widen(self.norm_m(x))))
+
+
+class _TableNet(nn.Module):
+    """Token embedding plus a learned position table that is a bare ``nn.Parameter`` of the network itself, the
+    blocks, a final norm, and a head that shares the embedding's weight (``tie``)."""
+
+    def __init__(self, vocab_size: int, dim: int, n_layer: int, block_size: int, tie: bool) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, dim)
+        self.position_table = nn.Parameter(torch.randn(block_size, dim) * 0.02)
+        self.stack = nn.ModuleList(_TableBlock(dim, head_dim=8) for _ in range(n_layer))
+        self.final_norm = nn.LayerNorm(dim)
+        self.unembed = nn.Linear(dim, vocab_size, bias=False)
+        if tie:
+            self.unembed.weight = self.tokens.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.tokens(idx) + self.position_table[: idx.shape[1]]
+        for block in self.stack:
+            x = block(x)
+        return self.unembed(self.final_norm(x))
+
+
+class _NextToken(L.LightningModule):
+    """The step every module below shares: next-token cross-entropy on the network's logits, AdamW."""
+
+    net: nn.Module | None
+
+    def forward(self, idx: Tensor) -> Tensor:
+        assert self.net is not None
+        return self.net(idx)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
+
+
+class PositionTableModule(_NextToken):
+    """A network never seen by the package with parameters outside its block list: a learned position table on the
+    network's root and (``tie``) a head tied to the token embedding. ``build``: ``"configure_model"`` (deferred
+    there) or ``"init"`` (in ``__init__``: deferred when made under ``trainer.init_module()``)."""
+
+    def __init__(self, vocab_size: int = 128, dim: int = 32, n_layer: int = 4, block_size: int = 16, tie: bool = True,
+                 build: str = "configure_model", learning_rate: float = 1e-4, **_: Any) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+        self.example_input_array = torch.zeros(2, block_size, dtype=torch.long)  # the tensor-parallel plan's forward
+        self.net = None if build == "configure_model" else self._make()
+
+    def _make(self) -> nn.Module:
+        h = self.hparams
+        return _TableNet(h.vocab_size, h.dim, h.n_layer, h.block_size, h.tie)
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = self._make()
+
+
+class TiedCausalLM(_NextToken):
+    """A Hugging Face causal LM of ``family`` (``"llama"``, ``"gemma"``, ...) with ``tie_word_embeddings=True``, from a
+    config (no download), built in ``configure_model`` or (``build="init"``) in ``__init__``."""
+
+    def __init__(self, family: str = "llama", build: str = "configure_model", learning_rate: float = 1e-4,
+                 **config: Any) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+        self.family, self.overrides = family, config
+        self.example_input_array = torch.zeros(2, 16, dtype=torch.long)
+        self.model: nn.Module | None = None if build == "configure_model" else self._make()
+
+    def _make(self) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        sizes = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+                 "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}  # fmt: skip
+        config = AutoConfig.for_model(self.family, **{**sizes, **self.overrides},
+                                      tie_word_embeddings=True, attn_implementation="sdpa")  # fmt: skip
+        return AutoModelForCausalLM.from_config(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        assert self.model is not None
+        return self.model(input_ids=idx).logits
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self._make()
+
+
 DEFERRED_MODULES = {
     "deferred_nanogpt": DeferredNanoGPT,
     "deferred_llama": DeferredHFLlama,
     "deferred_mixtral": DeferredHFMixtral,
     "deferred_litgpt": DeferredLitGPT,
     "deferred_unseen": UnseenDeferred,
+    "position_table": PositionTableModule,
+    "tied_hf": TiedCausalLM,
 }
 
 

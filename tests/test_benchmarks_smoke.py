@@ -196,3 +196,27 @@ def test_pooling_runs_takes_the_median_of_every_paired_round_with_a_bootstrap_in
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("| row | before: 1 | 3 | 1.100x") for line in lines), lines
     assert any(line.startswith("| row | now: 2 | 5 | 1.050x") for line in lines), lines
+
+
+def test_the_set_up_peak_table_compares_each_rank_with_its_bound() -> None:
+    """`benchmarks/big_model_memory.py --setup` (its heavy runs are not in the suite): each rank of a big model against
+    the same rank of its family's tiny model in the same layout, the bound being the rank's own shards plus the
+    largest tensor any rank holds a part of; a rank over it is shown with the excess."""
+    from benchmarks.big_model_memory import setup_report, setup_rows
+
+    mib = 2**20
+
+    def rank(r: int, first: int, shards: int = 0, largest: int = 0) -> dict[str, int]:
+        return {"rank": r, "stage": r, "first_step": first * mib, "resident_first_step": (first - 10) * mib,
+                "shards": shards * mib, "largest": largest * mib, "materialize_peak": largest * mib}  # fmt: skip
+
+    cases = [
+        {"model": "llama-tiny", "construction": "deferred", "layout": "pp2", "ranks": [rank(0, 400), rank(1, 402)]},
+        {"model": "llama-0.47b", "construction": "deferred", "layout": "pp2",
+         "ranks": [rank(0, 1400, shards=900, largest=100), rank(1, 1403, shards=880, largest=50)]},
+    ]  # fmt: skip
+    rows = setup_rows(cases)
+    found = [(r["above"] // mib, r["bound"] // mib, r["holds"]) for r in rows]
+    assert found == [(1000, 1000, True), (1001, 980, False)]
+    assert rows[1]["transient"] == 10 * mib
+    assert "| llama-0.47b | pp2 | 1 (1) |" in setup_report(cases) and "no (+21 MiB)" in setup_report(cases)

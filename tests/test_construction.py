@@ -146,3 +146,76 @@ def test_a_seed_set_inside_the_construction_is_replayed() -> None:
     for key, value in reference.state_dict().items():
         assert torch.equal(value, module.state_dict()[key]), key
     assert torch.equal(torch.rand(2), draw_after_reference)
+
+
+def test_materialized_tensors_are_the_objects_taken_before() -> None:
+    """What holds a tensor before materialization (a tied head, a table of shared parameters, an unsplit deep copy's
+    own ties) holds the real one after: each meta tensor becomes real in place, tied ones stay one object, and the
+    attributes set on a parameter stay on it. ``nn.Module._apply`` (``to_empty``) gave each module a new object."""
+    import copy
+
+    from lightning_hybrid.construction.materialize import allocate
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.table = nn.Parameter(torch.randn(6, 4))  # a bare parameter of the root
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("steps", torch.zeros(3))
+            self.register_buffer("grid", torch.ones(4, 4).tril())
+            self.register_buffer("grid_view", self.grid.view(1, 1, 4, 4))  # keeps the grid's record until it is swapped
+
+    torch.manual_seed(SEED)
+    with record_construction() as record:
+        net = Tied()
+    net.table.marked = True
+    seen: list[str] = []
+    net.table.register_hook(lambda grad: seen.append("hook") or grad)  # a hook set up around the meta tensor
+    net.table.register_post_accumulate_grad_hook(lambda p: seen.append("post-accumulate hook"))
+    taken = {"embed": net.embed.weight, "table": net.table, "steps": net.steps, "grid": net.grid}
+    unsplit = copy.deepcopy(net)
+    materialize(net, construction_targets(net, record), torch.device("cpu"))
+    allocate(unsplit, torch.device("cpu"))
+    assert net.embed.weight is taken["embed"] and net.head.weight is taken["embed"] and not taken["embed"].is_meta
+    assert net.table is taken["table"] and net.table.marked and net.steps is taken["steps"]
+    assert net.grid is taken["grid"] and torch.equal(net.grid_view[0, 0], net.grid) and net.grid.sum() == 10
+    assert unsplit.head.weight is unsplit.embed.weight and not unsplit.head.weight.is_meta
+    torch.manual_seed(SEED)
+    assert torch.equal(net.embed.weight, Tied().embed.weight)
+    net.table.sum().backward()
+    assert seen == ["hook", "post-accumulate hook"]
+
+
+def test_no_call_of_the_replay_outlives_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that holds neither of two weights initialized twice in a row (Hugging Face's ``post_init``: the head's
+    own ``reset_parameters``, then ``_init_weights``) draws both into scratch for the generator's sake; each scratch,
+    and each real storage once released, is gone before the next call allocates: the replay holds one full tensor at
+    a time, not two. Every tensor the replay hands out is watched (a weak reference), and none of an earlier call may
+    be alive when the next one starts."""
+    import sys
+    import weakref
+
+    replay_module = sys.modules["lightning_hybrid.construction.replay"]
+    with record_construction() as record:
+        held, other = nn.Linear(64, 64), nn.Linear(64, 64)
+        for layer in (held, other):
+            nn.init.normal_(layer.weight)  # overwrites reset_parameters' draw
+    handed_out: list[weakref.ref] = []
+    original_view, original_call = replay_module._Storages.view, replay_module._call
+
+    def watched_view(self: object, v: object, scratch: object = None) -> torch.Tensor:
+        t = original_view(self, v, scratch)
+        handed_out.append(weakref.ref(t))
+        return t
+
+    def checked_call(*args: object) -> list[torch.Tensor]:
+        assert all(ref() is None for ref in handed_out), "a tensor of an earlier call is still alive"
+        return original_call(*args)
+
+    monkeypatch.setattr(replay_module._Storages, "view", watched_view)
+    monkeypatch.setattr(replay_module, "_call", checked_call)
+    targets = construction_targets(held, record)
+    report = replay_module.replay(record, torch.device("cpu"), targets.by_storage, lambda key, view: None)
+    assert len(handed_out) > 4 and report.peak_bytes <= 64 * 64 * 4  # one weight at a time, scratch counted

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_hybrid._torch_compat import reinstall_tensor_hooks
 from lightning_hybrid.construction.record import ConstructionRecord, StorageView
 from lightning_hybrid.construction.replay import ReplayReport, replay
 
@@ -77,13 +78,49 @@ def construction_targets(module: nn.Module, record: ConstructionRecord) -> Const
 
 def allocate(module: nn.Module, device: torch.device) -> None:
     """Real, uninitialized storage for every meta tensor this rank still holds (its shards: DTensors allocate their
-    local part), through ``nn.Module._apply`` as ``to_empty`` does, so that FSDP2 sees the change; real tensors are
-    left as they are."""
-    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    local part); real tensors are left as they are.
+
+    Each tensor keeps its identity: the meta object becomes the real one in place (``torch.utils.swap_tensors``), so
+    whatever took a parameter before materialization still holds the one that trains: a weight tied on two modules
+    (a head tied to the embedding, in the model and in an unsplit copy), the pipeline's shared-parameter table, the
+    tensor-parallel gradient sums, a hook registered on it (installed again on the real tensor's autograd record).
+    ``nn.Module._apply``, which ``to_empty`` uses, makes a new ``Parameter`` for a plain tensor that changes device,
+    one per module that registers it: ties broke and those tables kept the meta tensors. DTensors (tensor parallel,
+    ZeRO-3's shards) still go through ``_apply``, which swaps them in place too and lets FSDP2 re-point its sharded
+    storage at the new local tensors."""
+    pending: dict[int, Tensor] = {}
     for owner in module.modules():
+        held = [
+            *(t for _, t in owner.named_parameters(recurse=False, remove_duplicate=False)),
+            *(t for _, t in owner.named_buffers(recurse=False, remove_duplicate=False)),
+            *(t for n, t in vars(owner).items() if n[:2] != "__"),
+        ]
+        plain = (t for t in held if isinstance(t, Tensor) and type(t) in (Tensor, nn.Parameter))
+        pending.update((id(t), t) for t in plain if t.is_meta)
+    # a tensor a view still refers to cannot be swapped until the view is (its record is then let go): a second round;
+    # what is left (held from outside the module) is made anew on its owners by _apply below, as to_empty does
+    for _ in range(2):
+        pending = {key: t for key, t in pending.items() if not _made_real_in_place(t, device)}
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    for t in module.parameters():  # hooks registered on a parameter before (the swaps left them on the meta record)
+        reinstall_tensor_hooks(t)
+    for owner in module.modules():  # tensor attributes _apply does not see (of a subclass type, or held from outside)
         for attribute, t in list(vars(owner).items()):
             if isinstance(t, Tensor) and t.is_meta and attribute[:2] != "__":
                 setattr(owner, attribute, torch.empty_like(t, device=device))
+
+
+def _made_real_in_place(t: Tensor, device: torch.device) -> bool:
+    """Swap real storage into ``t``; False where something else holds its record (a view of it)."""
+    with torch.no_grad():
+        real = torch.empty_like(t, device=device)
+    replacement = nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else real
+    replacement.__dict__.update(t.__dict__)  # the swap exchanges the objects' attributes too: keep t's
+    try:
+        torch.utils.swap_tensors(t, replacement)
+    except RuntimeError:
+        return False
+    return True
 
 
 def materialize(module: nn.Module, targets: ConstructionTargets, device: torch.device) -> ReplayReport:

@@ -68,8 +68,7 @@ class _Storages:
             nbytes = self.record.nbytes[v.storage]
             storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
             pool[v.storage] = storage
-            if scratch is None:
-                self._count(storage.nbytes())
+            self._count(storage.nbytes())
         return torch.empty(0, dtype=v.dtype, device=self.device).set_(storage, v.offset, v.size, v.stride)
 
     def adopt(self, v: StorageView, real: Tensor) -> None:
@@ -82,6 +81,15 @@ class _Storages:
             self._count(self.real[v.storage].nbytes())
         else:
             self.view(v).copy_(real)
+
+    def adopt_outputs(self, views: list[StorageView | None], outputs: list[Tensor]) -> None:
+        for v, t in zip(views, outputs):  # (a loop in the caller's frame would keep its last tensor alive)
+            if v is not None:
+                self.adopt(v, t)
+
+    def discard(self, scratch: dict[int, torch.UntypedStorage]) -> None:
+        self.bytes -= sum(storage.nbytes() for storage in scratch.values())
+        scratch.clear()
 
     def release(self, key: int) -> None:
         storage = self.real.pop(key, None)
@@ -147,22 +155,15 @@ def replay(
                 op.func(*args, **kwargs)
                 continue
             scratch: dict[int, torch.UntypedStorage] | None = None if needed[i] else {}
-
-            def real(x: Any, scratch: Any = scratch) -> Any:
-                if isinstance(x, StorageView):
-                    return storages.view(x, scratch)
-                if x is REPLAY_DEVICE:
-                    return device
-                return x
-
-            with torch.no_grad():
-                out = op.func(*tree_map(real, op.args), **tree_map(real, op.kwargs))
+            outs = _call(op, storages, device, scratch)
             if scratch is not None:
-                continue  # drawn for the generator's sake only; the scratch storages go now
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
-            for v, t in zip(op.outputs, outs):
-                if v is not None:
-                    storages.adopt(v, t)
+                # drawn for the generator's sake only: the scratch goes before the next call allocates (a rank that
+                # holds neither the embedding nor the head draws both their first initializations, one after the
+                # other: kept to the next call, two full tensors were in memory at once)
+                storages.discard(scratch)
+                continue
+            storages.adopt_outputs(op.outputs, outs)
+            del outs  # views of storages released below: held to the next call, each would outlive its release
             if _name(op.func) not in _EMPTY_FACTORIES:
                 written_by_more_than_empty |= op.writes
             for key in op.reads | op.writes:
@@ -184,6 +185,24 @@ def replay(
     nothing_drew_since = before.equal(record.rng_state_at_end)
     set_generator_state(record.device_type, after if record.after_seed_reset and nothing_drew_since else before)
     return report
+
+
+def _call(
+    op: Any, storages: _Storages, device: torch.device, scratch: dict[int, torch.UntypedStorage] | None
+) -> list[Tensor]:
+    """Run one recorded call on real storages (``scratch``: fresh ones, for a call whose result no wanted tensor
+    needs); returns its tensor outputs (none for a scratch call). Its arguments die with this frame."""
+
+    def real(x: Any) -> Any:
+        if isinstance(x, StorageView):
+            return storages.view(x, scratch)
+        if x is REPLAY_DEVICE:
+            return device
+        return x
+
+    with torch.no_grad():
+        out = op.func(*tree_map(real, op.args), **tree_map(real, op.kwargs))
+    return [] if scratch is not None else [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
 
 
 def _name(func: Any) -> str:

@@ -97,8 +97,8 @@ class Ledger:
     activations: float
     buffers: float
     setup: float = 0.0
-    """Bytes at set-up, before the first step: the rank's parameter shards plus the full tensors that deferred
-    construction's replay holds at once (``construction/replay.py``: about the two largest). A model built whole
+    """Bytes at set-up, before the first step: the rank's parameter shards plus the one full tensor deferred
+    construction's replay holds at a time (``construction/replay.py``), counted as the largest. A model built whole
     on every rank (in ``__init__``) needs its full size here instead; the planner assumes deferred construction."""
 
     @property

@@ -147,10 +147,10 @@ def _stage_ledger(spec: ModelSpec, setup: Setup, c: Candidate, first: bool, last
         buffers["buckets"] = in_use * BUCKET_BYTES
     if ep > 1 and moe_blocks:  # the dispatch's rows sent and received, one MoE layer at a time
         buffers["dispatch"] = 2 * spec.top_k * setup.micro_batch * spec.seq * spec.hidden * act_bytes
-    # set-up (deferred construction): the shards, plus the replay's full tensors in flight, in the parameters' dtype
+    # set-up (deferred construction): the shards plus the replay's one full tensor in flight, in the parameters' dtype
     packed = spec.experts * (2 if spec.family == "llama" else 1) * spec.expert_ffn_size  # a gate|up expert tensor
     largest = max(spec.vocab * spec.hidden, spec.hidden * (spec.ffn or 4 * spec.hidden), spec.hidden * packed)
-    setup_bytes = state["parameters"] + 2 * largest * PRECISION_BYTES[setup.precision][0]
+    setup_bytes = state["parameters"] + largest * PRECISION_BYTES[setup.precision][0]
     ledger = Ledger(state["parameters"], state["gradients"], state["master"], state["optimizer"], activations,
                     sum(buffers.values()), setup_bytes)  # fmt: skip
     return ledger, {"buffers": buffers, "in_flight": flight, "numel": numel + expert_numel,
@@ -241,7 +241,7 @@ def evaluate(spec: ModelSpec, hw: Hardware, setup: Setup, c: Candidate) -> Evalu
                               context_parallel_size=c.context_parallel_size)  # fmt: skip
     limit = f"{_gb(hw.device_memory).replace('.0 ', ' ')} x {hw.usable_fraction:g}"
     if ledger.setup > hw.usable_memory >= ledger.training:
-        reason = f"set-up (shards + the replay's largest tensors) {_gb(ledger.setup)} > {limit}"
+        reason = f"set-up (shards + the replay's largest tensor) {_gb(ledger.setup)} > {limit}"
         return Evaluated(c, ledger, step, False, reason, tokens, details=details)
     if ledger.peak > hw.usable_memory:
         parts = {
