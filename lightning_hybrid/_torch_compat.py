@@ -61,6 +61,7 @@ __all__ = [
     "storage_identity",
     "tree_flatten",
     "tree_map",
+    "tree_unflatten",
     "unboxed_process_group",
     "unboxed_work",
     "DISABLED_TORCH_FUNCTION",
@@ -424,7 +425,7 @@ def module_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
 # ``torch.utils._pytree.tree_flatten`` / ``tree_map``: walk the nested arguments of an ATen call. Checked on torch 2.11
 # and 2.13. Public replacement: ``torch.utils.pytree`` (public from torch 2.11 on as an alias, not yet in every
 # release this package supports with the same functions); switch once the lower bound has it.
-from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 
 
 def device_constructors() -> set[Any]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_hybrid._hooks import tensors_in
-from lightning_hybrid._torch_compat import DISABLED_TORCH_FUNCTION, make_wrapper_tensor, tree_map
+from lightning_hybrid._torch_compat import DISABLED_TORCH_FUNCTION, make_wrapper_tensor, tree_flatten, tree_unflatten
 from lightning_hybrid.pipeline.boundaries import map_tensors, to_meta
 
 __all__ = ["StandIn", "StandInOutputs", "StandInRead", "contains_stand_in"]
@@ -66,22 +66,48 @@ class StandIn(Tensor):
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
         if name in _VALUE_READS:
             raise StandInRead(f"`{name}` of a value the network computes on another pipeline stage")
-        device: list[torch.device] = []
+        leaves, spec = tree_flatten((args, kwargs or {}))
+        device = next((t.device for t in leaves if isinstance(t, StandIn)), torch.device("cpu"))
+        # the same operation on arguments of the same shapes gives outputs of the same shapes: computed on meta once
+        # (torch's meta kernels are Python decompositions, a millisecond a micro-batch's loss), then looked up
+        key = (func, len(leaves), *map(_leaf_key, leaves))
+        known = _OUTPUTS.get(key)
+        if known is None:
+            try:
+                meta_args, meta_kwargs = tree_unflatten([_to_meta(t) for t in leaves], spec)
+                known = tree_flatten(func(*meta_args, **meta_kwargs))
+            except Exception as error:  # a data-dependent shape (nonzero, a boolean mask) has no meta answer
+                known = error
+            if len(_OUTPUTS) < _CACHE_SIZE:
+                _OUTPUTS[key] = known
+        if isinstance(known, Exception):
+            raise StandInRead(f"`{name}` needs the values of the network's output ({known})") from None
+        out_leaves, out_spec = known
+        made = [StandIn(t, device) if isinstance(t, Tensor) and t.device.type == "meta" else t for t in out_leaves]
+        return tree_unflatten(made, out_spec)
 
-        def to_meta(t: Any) -> Any:
-            if isinstance(t, StandIn):
-                device.append(t.device)
-                return t._meta
-            if isinstance(t, Tensor):
-                return t.detach().to("meta") if t.device.type != "meta" else t
-            return t
 
-        try:
-            out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs or {}))
-        except Exception as error:  # a data-dependent shape (nonzero, a boolean mask) has no meta answer
-            raise StandInRead(f"`{name}` needs the values of the network's output ({error})") from None
-        where = device[0] if device else torch.device("cpu")
-        return tree_map(lambda t: StandIn(t, where) if isinstance(t, Tensor) and t.device.type == "meta" else t, out)
+_CACHE_SIZE = 4096
+_OUTPUTS: dict[tuple, Any] = {}
+"""Per operation and argument signature: its outputs on meta tensors (flattened), or the error it raised."""
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, Tensor):
+        return (type(leaf) is StandIn, tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type)
+    try:
+        hash(leaf)
+    except TypeError:
+        return id(leaf)
+    return leaf
+
+
+def _to_meta(t: Any) -> Any:
+    if isinstance(t, StandIn):
+        return t._meta
+    if isinstance(t, Tensor) and t.device.type != "meta":
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t
 
 
 class StandInOutputs:
