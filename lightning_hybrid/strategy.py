@@ -249,10 +249,14 @@ class HybridStrategy(ParallelStrategy):
     predict_step = step_hook("predict_step")
 
     def _finish_sending(self) -> None:  # at a run's end no next step waits for the last stage's broadcast of results
-        if self._pipeline is not None:
-            self._pipeline.finish_sending()
+        self._pipeline.finish_sending() if self._pipeline is not None else None
 
     on_train_end = on_validation_end = on_test_end = on_predict_end = _finish_sending
+
+    def _share_random_state(self) -> None:  # a replica's ranks compute one micro-batch: its draws must agree
+        topology.share_random_state(self._topology, self.root_device)
+
+    on_train_start = on_validation_start = on_test_start = on_predict_start = _share_random_state
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:

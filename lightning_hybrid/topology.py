@@ -28,6 +28,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "reduce",
+    "share_random_state",
     "build_context_mesh",
     "build_device_mesh",
     "build_expert_mesh",
@@ -325,6 +326,36 @@ def start_topology(
     )  # fmt: skip
     rank_zero_info(format_rank_table(layout, gather_rank_devices(device)))
     return topology
+
+
+def share_random_state(topology: Optional[Topology], device: torch.device) -> None:
+    """Every rank of a replica (its tensor- and pipeline-parallel peers) takes the random state of the replica's first
+    rank: they compute one micro-batch together, so a mask or noise the user's step draws must be the same on each
+    (docs/step-semantics.md), whatever seed each process was given (``seed_everything(seed + rank)`` gives each its
+    own). The data-parallel replicas keep theirs, as under ``"ddp"``. Collective over the world (each replica's group
+    is made once, on every rank); one broadcast of the CPU generator's state (and the current CUDA device's) per
+    call: at the start of a fit or an evaluation.
+
+    Example:
+        >>> # share_random_state(strategy._topology, strategy.root_device)  # every rank, at on_train_start
+    """
+    if topology is None or topology.mesh.size() == topology.layout.data_parallel_size:
+        return
+    from lightning_hybrid.process_groups import subgroup
+
+    grid = topology.mesh.mesh  # (pipeline, data, tensor)
+    mine = topology.mesh["data"].get_local_rank()
+    replicas = [subgroup(grid[:, d, :].flatten().tolist()) for d in range(grid.shape[1])]
+    first = int(grid[0, mine, 0])
+    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if device.type == "cuda" else [])
+    shared = []
+    for state in states:
+        buffer = state.to(device)
+        dist.broadcast(buffer, src=first, group=replicas[mine])
+        shared.append(buffer.cpu())
+    torch.set_rng_state(shared[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(shared[1])
 
 
 def barrier(device: torch.device) -> None:

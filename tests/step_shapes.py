@@ -51,7 +51,7 @@ MASK_ID = 0
 class StepShapes(L.LightningModule):
     """A small GPT whose ``training_step`` is one of the shapes in the module's docstring."""
 
-    def __init__(self, shape: str, n_layer: int = 4) -> None:
+    def __init__(self, shape: str, n_layer: int = 4, seed_per_rank: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(VOCAB, 16, n_layer, n_head=2, n_embd=16, dropout=0.0, bias=False))
@@ -64,6 +64,10 @@ class StepShapes(L.LightningModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
+
+    def on_fit_start(self) -> None:
+        if self.hparams.seed_per_rank:  # each process its own stream, as users seed augmentations per rank
+            torch.manual_seed(SEED + self.global_rank)
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, logits of the first call, targets), computed as the shape says."""
@@ -135,7 +139,7 @@ def run_step_shapes(scenario: dict[str, Any], out_dir: Path) -> None:
     batch_size = CALL_SAMPLES * microbatches
     strategy = spec if isinstance(spec, str) else HybridStrategy(**spec)
     L.seed_everything(SEED, verbose=False)
-    module = StepShapes(scenario["shape"])
+    module = StepShapes(scenario["shape"], seed_per_rank=scenario.get("seed_per_rank", False))
     logger = _RecordingLogger()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, logger=logger, max_epochs=1,
