@@ -130,19 +130,10 @@ class _MixerNet(nn.Module):
         return self.head(x)
 
 
-class UnseenDeferred(L.LightningModule):
-    """A token mixer written for none of the above, built in ``configure_model``."""
+class _NextToken(L.LightningModule):
+    """The step every module below shares: next-token cross-entropy on the network's logits, AdamW."""
 
-    def __init__(self, vocab_size: int = 128, dim: int = 32, n_layer: int = 4, learning_rate: float = 1e-4,
-                 **_: Any) -> None:  # fmt: skip
-        super().__init__()
-        self.save_hyperparameters()
-        self.net: nn.Module | None = None
-
-    def configure_model(self) -> None:
-        if self.net is None:
-            h = self.hparams
-            self.net = _MixerNet(h.vocab_size, h.dim, h.n_layer)
+    net: nn.Module | None
 
     def forward(self, idx: Tensor) -> Tensor:
         assert self.net is not None
@@ -157,6 +148,21 @@ class UnseenDeferred(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
+
+
+class UnseenDeferred(_NextToken):
+    """A token mixer written for none of the above, built in ``configure_model``."""
+
+    def __init__(self, vocab_size: int = 128, dim: int = 32, n_layer: int = 4, learning_rate: float = 1e-4,
+                 **_: Any) -> None:  # fmt: skip
+        super().__init__()
+        self.save_hyperparameters()
+        self.net: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            h = self.hparams
+            self.net = _MixerNet(h.vocab_size, h.dim, h.n_layer)
 
 
 class _TableBlock(nn.Module):
@@ -198,26 +204,6 @@ class _TableNet(nn.Module):
         for block in self.stack:
             x = block(x)
         return self.unembed(self.final_norm(x))
-
-
-class _NextToken(L.LightningModule):
-    """The step every module below shares: next-token cross-entropy on the network's logits, AdamW."""
-
-    net: nn.Module | None
-
-    def forward(self, idx: Tensor) -> Tensor:
-        assert self.net is not None
-        return self.net(idx)
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
 
 
 class PositionTableModule(_NextToken):
