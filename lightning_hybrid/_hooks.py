@@ -3,7 +3,8 @@ and one that stops a run at a module's call to capture its arguments.
 
 Shared by sequence parallel (re-layout at region borders) and the pipeline (substitute the received activation,
 stop after a stage's last block): torch's ``PrepareModuleInput`` needs to know in advance which of the two it is.
-:func:`capture_call` is how the pipeline and both verifications find the network's inputs in the user's step.
+:func:`capture_call` is how the pipeline finds the hidden state entering the block list, and context parallel's probe
+the network's inputs.
 """
 
 from __future__ import annotations
