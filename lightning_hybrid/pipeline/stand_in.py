@@ -77,19 +77,24 @@ class StandIn(Tensor):
                 meta_args, meta_kwargs = tree_unflatten([_to_meta(t) for t in leaves], spec)
                 known = tree_flatten(func(*meta_args, **meta_kwargs))
             except Exception as error:  # a data-dependent shape (nonzero, a boolean mask) has no meta answer
-                known = error
+                known = _NoMetaAnswer(str(error))  # the message only: a traceback would keep the step's frames
             if len(_OUTPUTS) < _CACHE_SIZE:
                 _OUTPUTS[key] = known
-        if isinstance(known, Exception):
-            raise StandInRead(f"`{name}` needs the values of the network's output ({known})") from None
+        if isinstance(known, _NoMetaAnswer):
+            raise StandInRead(f"`{name}` needs the values of the network's output ({known.message})") from None
         out_leaves, out_spec = known
         made = [StandIn(t, device) if isinstance(t, Tensor) and t.device.type == "meta" else t for t in out_leaves]
         return tree_unflatten(made, out_spec)
 
 
+class _NoMetaAnswer:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
 _CACHE_SIZE = 4096
 _OUTPUTS: dict[tuple, Any] = {}
-"""Per operation and argument signature: its outputs on meta tensors (flattened), or the error it raised."""
+"""Per operation and argument signature: its outputs on meta tensors (flattened), or why it has none."""
 
 
 def _leaf_key(leaf: Any) -> Any:
