@@ -226,6 +226,14 @@ def test_models_context_parallel_cannot_split_are_refused(model: str, kwargs: di
         plan_context_parallel(build_module(model, **kwargs), cp=2, tp=1)
 
 
+def test_litgpt_soft_capped_attention_is_refused_naming_it() -> None:
+    # litgpt soft-caps without torch's SDPA, the call context parallel's exchange is put around
+    module = build_module("litgpt_llama", **LITGPT)
+    module.model.config.attention_logit_softcapping = 50.0
+    with pytest.raises(HybridConfigError, match=re.escape("attention_logit_softcapping=50.0")):
+        plan_context_parallel(module, cp=2, tp=1)
+
+
 def test_heads_must_divide_over_tensor_and_context_ranks() -> None:
     module = build_module("hf-llama")  # 4 heads
     assert plan_context_parallel(module, cp=2, tp=2).huggingface == [module.model]

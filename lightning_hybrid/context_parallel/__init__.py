@@ -19,8 +19,8 @@ from lightning_hybrid.context_parallel.attention import (
     CALLS_ATTRIBUTE,
     SHARD_ATTRIBUTE,
     AttentionCalls,
+    exchange_litgpt_attention,
     register_hf_attention,
-    wrap_litgpt_attention,
 )
 from lightning_hybrid.context_parallel.batch import shard_batch
 from lightning_hybrid.context_parallel.exchange import ContextShard, heads_to_sequence, sequence_to_heads
@@ -110,6 +110,13 @@ def plan_context_parallel(module: nn.Module, cp: int, tp: int) -> ContextParalle
                 f"`context_parallel_size={cp}`: this litgpt config uses sliding-window attention or per-block rotary"
                 f" indices, which context parallel does not split yet. Use `context_parallel_size=1` {_FIX}."
             )
+        if getattr(config, "attention_logit_softcapping", None) is not None:
+            # litgpt computes soft-capped attention itself, without torch's SDPA, where the exchange is put
+            raise HybridConfigError(
+                f"`context_parallel_size={cp}`: this litgpt config soft-caps attention logits"
+                f" (attention_logit_softcapping={config.attention_logit_softcapping}), which context parallel does"
+                f" not split yet (nor does it for Hugging Face's Gemma 2). Use `context_parallel_size=1` {_FIX}."
+            )
     return plan
 
 
@@ -148,5 +155,5 @@ def apply_context_parallel(plan: ContextParallelPlan, shard: ContextShard) -> No
         calls = AttentionCalls()
         for block in gpt.transformer.h:
             if hasattr(block, "attn"):  # under a pipeline, the other stages' blocks are stand-ins
-                wrap_litgpt_attention(block.attn, shard, calls)
+                exchange_litgpt_attention(block.attn, shard, calls)
         install_litgpt_positions(gpt, shard, calls)

@@ -1,6 +1,7 @@
 """Attention over the whole sequence on each context-parallel rank's share of the heads: the hooks that put the
 head exchange (``exchange.py``) around a model's attention. Hugging Face models get an attention function of their own
-in transformers' registry; litgpt's attention modules get their ``scaled_dot_product_attention`` wrapped."""
+in transformers' registry; litgpt's attention modules get the exchange around their torch SDPA call (a function
+mode their hooks enter)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.context_parallel.exchange import ContextShard, heads_to_sequence, sequence_to_heads
 
-__all__ = ["ATTENTION_NAME", "AttentionCalls", "SHARD_ATTRIBUTE", "register_hf_attention", "wrap_litgpt_attention"]
+__all__ = ["ATTENTION_NAME", "AttentionCalls", "SHARD_ATTRIBUTE", "exchange_litgpt_attention", "register_hf_attention"]
 
 ATTENTION_NAME = "lightning_hybrid_context_parallel"
 """The name of the attention function (and of its mask function) in transformers' registries."""
@@ -103,20 +105,54 @@ def register_hf_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
-def wrap_litgpt_attention(attention: nn.Module, shard: ContextShard, calls: AttentionCalls) -> None:
-    """Replace the ``scaled_dot_product_attention`` method of one litgpt attention module (q, k, v of every head,
-    ``[batch, heads, seq / cp, dim]``, returning ``[batch, seq / cp, heads, dim]``) by the exchange around it."""
-    original = attention.scaled_dot_product_attention
+class _WholeSequenceSDPA(TorchFunctionMode):
+    """While one litgpt attention module runs: its ``F.scaled_dot_product_attention`` call, on q, k, v of every head
+    ``[batch, heads, seq / cp, dim]``, becomes the exchange around the same call on the whole sequence. A function
+    mode rather than a replaced method: the attention module's own code runs as written, and only this module's
+    call is reached (the hooks enter the mode around its forward)."""
 
-    def scaled_dot_product_attention(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        if mask is not None:
+    def __init__(self, shard: ContextShard, calls: AttentionCalls) -> None:
+        super().__init__()
+        self.shard, self.calls = shard, calls
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v, *rest = args
+        if (rest[0] if rest else kwargs.get("attn_mask")) is not None:
             raise HybridConfigError(
-                f"`context_parallel_size={shard.size}`: litgpt's attention was given a mask (a KV cache or sliding"
-                " window), which context parallel does not split. Train without them, or `context_parallel_size=1`."
+                f"`context_parallel_size={self.shard.size}`: litgpt's attention was given a mask (a KV cache or"
+                " sliding window), which context parallel does not split. Train without them, or"
+                " `context_parallel_size=1`."
             )
-        calls.count += 1
-        return _whole_sequence_attention(q, k, v, shard, lambda q, k, v: original(q, k, v, None))
+        self.calls.count += 1
+        whole = _whole_sequence_attention(
+            q, k, v, self.shard, lambda q, k, v: func(q, k, v, *rest, **kwargs).transpose(1, 2)
+        )
+        return whole.transpose(1, 2)  # SDPA's layout, [batch, heads, seq / cp, dim]: the module transposes it back
 
-    attention.scaled_dot_product_attention = scaled_dot_product_attention
+
+class _LitgptExchange:
+    """The hooks around one litgpt attention module's forward that enter and leave a :class:`_WholeSequenceSDPA`
+    (the forward hook is called also when the forward raises, so the mode never outlives the module's call)."""
+
+    def __init__(self, shard: ContextShard, calls: AttentionCalls) -> None:
+        self.shard, self.calls = shard, calls
+        self.entered: list[_WholeSequenceSDPA] = []
+
+    def before(self, module: nn.Module, args: tuple) -> None:
+        mode = _WholeSequenceSDPA(self.shard, self.calls)
+        mode.__enter__()
+        self.entered.append(mode)
+
+    def after(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.entered.pop().__exit__(None, None, None)
+
+
+def exchange_litgpt_attention(attention: nn.Module, shard: ContextShard, calls: AttentionCalls) -> None:
+    """Put the exchange around the torch SDPA call of one litgpt attention module (module hooks; see
+    :class:`_WholeSequenceSDPA`)."""
+    hooks = _LitgptExchange(shard, calls)
+    attention.register_forward_pre_hook(hooks.before)
+    attention.register_forward_hook(hooks.after, always_call=True)

@@ -43,22 +43,22 @@ def _shifted_labels(labels: torch.Tensor, shard: ContextShard) -> tuple[torch.Te
     return shifted, count / shard.size
 
 
-class _GlobalPositionsForward:
-    """A transformers model's ``forward``, as an instance attribute: before it, ``position_ids`` of the whole sequence
-    when not given, padding refused, a causal LM's ``labels`` shifted across the boundary; after it, a forward whose
-    attention did not go through the exchange refused. The forward itself, not a forward pre-hook: the pipeline's
-    stages call ``network.forward`` directly. A deep copy of the model gets one calling the copy (the module is
-    copied through the memo)."""
+class _GlobalPositions:
+    """Forward pre-hook and forward hook of a transformers model: before its forward, ``position_ids`` of the whole
+    sequence when not given, padding refused, a causal LM's ``labels`` shifted across the boundary; after it, a
+    forward whose attention did not go through the exchange refused. Under a pipeline the user's call of the network
+    runs the pre-hook (in the step, on every rank) and the stages compute on the arguments it returned. It keeps no
+    reference to the model (the hooks are given it): a deep copy of the model gets hooks that serve the copy."""
 
     def __init__(self, model: nn.Module, shard: ContextShard, calls: AttentionCalls) -> None:
         from transformers.loss.loss_utils import ForCausalLMLoss
 
-        self.model, self.shard, self.calls = model, shard, calls
+        self.shard, self.calls = shard, calls
         self.signature = inspect.signature(type(model).forward)
         self.causal_lm = getattr(model, "loss_function", None) is ForCausalLMLoss
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model, shard, signature = self.model, self.shard, self.signature
+    def before(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        shard, signature = self.shard, self.signature
         arguments = signature.bind_partial(model, *args, **kwargs).arguments
         arguments.pop(next(iter(signature.parameters)))  # self
         extra = arguments.pop(next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), ""), {})
@@ -83,21 +83,24 @@ class _GlobalPositionsForward:
                 arguments["shift_labels"], count = _shifted_labels(labels, shard)
                 arguments.setdefault("num_items_in_batch", count)
         self.calls.count = 0
-        output = type(model).forward(model, **arguments)
+        return (), arguments
+
+    def after(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.calls.count == 0:
             raise HybridConfigError(
-                f"`context_parallel_size={shard.size}`: {type(model).__name__}'s forward ran no attention through"
-                " transformers' attention functions, so each rank attended to its own tokens only. Context parallel"
-                " splits models whose attention layers call transformers' attention interface; use"
+                f"`context_parallel_size={self.shard.size}`: {type(model).__name__}'s forward ran no attention"
+                " through transformers' attention functions, so each rank attended to its own tokens only. Context"
+                " parallel splits models whose attention layers call transformers' attention interface; use"
                 " `context_parallel_size=1` for this one (docs/context-parallel.md)."
             )
-        return output
 
 
 def install_hf_positions(model: nn.Module, shard: ContextShard, calls: AttentionCalls) -> None:
-    """Global positions and labels on a transformers model (the outermost one a LightningModule calls):
-    :class:`_GlobalPositionsForward` becomes its ``forward``."""
-    model.__dict__["forward"] = _GlobalPositionsForward(model, shard, calls)
+    """Global positions and labels on a transformers model (the outermost one a LightningModule calls): the hooks
+    of :class:`_GlobalPositions`, registered first so that the user's own pre-hooks see global positions too."""
+    hooks = _GlobalPositions(model, shard, calls)
+    model.register_forward_pre_hook(hooks.before, with_kwargs=True, prepend=True)
+    model.register_forward_hook(hooks.after, with_kwargs=True)
 
 
 def install_litgpt_positions(gpt: nn.Module, shard: ContextShard, calls: AttentionCalls) -> None:
