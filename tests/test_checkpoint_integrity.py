@@ -57,7 +57,10 @@ def test_a_save_records_every_file_with_its_sha256(tmp_path: Path) -> None:
     record = json.loads((path / COMMIT_FILENAME).read_text())
     assert record["algorithm"] == "sha256"
     assert sorted(record["files"]) == sorted(p.name for p in path.iterdir() if p.name != COMMIT_FILENAME)
-    assert {".metadata", "meta.pt", "__0_0.distcp"} <= record["files"].keys()
+    assert {".metadata", "meta.pt", "__0_0.distcp", "README.txt"} <= record["files"].keys()
+    # Lightning's own load_from_checkpoint stops on the directory before our code runs: the folder says how to load it
+    readme = (path / "README.txt").read_text()
+    assert "IsADirectoryError" in readme and "lightning_hybrid.load_from_checkpoint(MyModule, path)" in readme
     for name, (size, digest) in record["files"].items():
         data = (path / name).read_bytes()
         assert (size, digest) == (len(data), hashlib.sha256(data).hexdigest()), name

@@ -94,6 +94,22 @@ def flatten_state(model_state: dict[str, Any], optimizer_states: list[dict[str, 
     return flat
 
 
+README_FILENAME = "README.txt"
+LOADING_README = """\
+A lightning-hybrid checkpoint: each rank's shards of the model, optimizer and loops, saved with
+torch.distributed.checkpoint. It is a directory, so Lightning's `MyModule.load_from_checkpoint(path)`
+(which reads one file) stops on it with IsADirectoryError. To load it:
+
+  resume training, in any layout:  trainer.fit(model, ckpt_path=path)   (strategy=HybridStrategy(...))
+  into a plain module, one process: lightning_hybrid.load_from_checkpoint(MyModule, path)
+                                    or put lightning_hybrid.ShardedCheckpointMixin in MyModule's bases
+  as one Lightning .ckpt file:      lightning-hybrid consolidate path out.ckpt
+  as safetensors (Hugging Face):    lightning-hybrid consolidate path out_dir
+
+commit.json lists every file with its size and SHA-256 (`sha256sum` checks one by hand).
+"""
+
+
 class _Writer(FileSystemWriter):
     """DCP's file-system writer that also prepares the staging directory, hashes what it writes and commits.
 
@@ -111,6 +127,9 @@ class _Writer(FileSystemWriter):
         shutil.rmtree(self._staging, ignore_errors=True)
         self._staging.mkdir(parents=True)
         write_file(self._staging / META_FILENAME, self._meta)
+        # Lightning's `MyModule.load_from_checkpoint(directory)` stops at the directory with the OS's bare
+        # IsADirectoryError, before any code of ours runs: what a user then opens says how to load it
+        write_file(self._staging / README_FILENAME, LOADING_README.encode())
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -139,6 +158,7 @@ class _Writer(FileSystemWriter):
             raise CheckpointError(f"no hash was reported for {sorted(unhashed)}")
         files[METADATA_FILENAME] = list(file_digest(self._staging / METADATA_FILENAME))
         files[META_FILENAME] = bytes_digest(self._meta or b"")
+        files[README_FILENAME] = bytes_digest(LOADING_README.encode())
         write_commit_record(self._staging, files)
         _commit(self._staging, self._target)
 
