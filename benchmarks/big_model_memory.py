@@ -49,6 +49,9 @@ MODELS = {
     "gpt-0.82b": {"vocab_size": 8192, "n_layer": 28, "n_head": 16, "n_embd": 1536},
     "smoke": {"vocab_size": 256, "n_layer": 4, "n_head": 4, "n_embd": 64},
     "gpt-0.12b": {"vocab_size": 8192, "n_layer": 8, "n_head": 16, "n_embd": 1024},
+    # the 0.55B GPT's depth at the tiny width: its module tree, hooks and construction record without its tensors
+    "tiny-24": {"vocab_size": 128, "n_layer": 24, "n_head": 4, "n_embd": 32},
+    "smoke-tiny": {"vocab_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 32},
 }
 # Hugging Face Llama (untied head), built in configure_model: its post_init initializes every weight a second time
 LLAMAS = {
@@ -58,8 +61,17 @@ LLAMAS = {
                     "num_attention_heads": 16},
     "llama-smoke": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                     "num_attention_heads": 4},
+    "llama-tiny-24": {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 24,
+                      "num_attention_heads": 4},
+    "llama-smoke-tiny": {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+                         "num_attention_heads": 4},
 }  # fmt: skip
 TINY = {"gpt": "tiny", "llama": "llama-tiny"}
+# each measured model's depth at the tiny width: the baseline of the set-up bound, so that what is left above it is
+# tensor memory (the bound's terms), not the Python objects of a deeper module tree
+SAME_DEPTH_TINY = {"gpt-0.55b": "tiny-24", "llama-0.47b": "llama-tiny-24", "smoke": "smoke-tiny",
+                   "llama-smoke": "llama-smoke-tiny"}  # fmt: skip
+BASELINES = set(TINY.values()) | set(SAME_DEPTH_TINY.values())
 SETUP_MODELS = ("gpt-0.55b", "llama-0.47b")
 LAYOUTS = {
     "tp2-pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1, "num_microbatches": 2},
@@ -257,21 +269,24 @@ def report(cases: list[dict[str, Any]]) -> str:
 
 
 def setup_rows(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per rank of each deferred case: its first-step peak above the same rank of the same family's tiny model in the
-    same layout, against its shards plus the model's largest tensor (the bound docs/big-models.md states)."""
+    """Per rank of each deferred case: its first-step peak above the same rank of a tiny model of the same family and
+    depth in the same layout, against its shards plus the model's largest tensor (the bound docs/big-models.md
+    states); and, for comparison, above the family's 2-layer tiny model."""
     tiny = {(c["model"], c["layout"]): {r["rank"]: r["first_step"] for r in c["ranks"]} for c in cases}
     rows = []
     for c in cases:
-        if c["model"] in TINY.values() or c["construction"] != "deferred":
+        if c["model"] in BASELINES or c["construction"] != "deferred":
             continue
         family = "llama" if c["model"] in LLAMAS else "gpt"
-        baseline = tiny[(TINY[family], c["layout"])]
+        baseline = tiny[(SAME_DEPTH_TINY[c["model"]], c["layout"])]
+        shallow = tiny[(TINY[family], c["layout"])]
         largest = max(r["largest"] for r in c["ranks"])  # of the whole model: some rank holds a part of it
         for r in sorted(c["ranks"], key=lambda r: r["rank"]):
             above = r["first_step"] - baseline[r["rank"]]
             bound = r["shards"] + largest
             rows.append({"model": c["model"], "layout": c["layout"], "rank": r["rank"], "stage": r["stage"],
                          "first_step": r["first_step"], "tiny": baseline[r["rank"]], "above": above,
+                         "above_shallow": r["first_step"] - shallow[r["rank"]],
                          "shards": r["shards"], "largest": largest, "bound": bound, "holds": above <= bound,
                          "replay": r["materialize_peak"],
                          "transient": r["first_step"] - r.get("resident_first_step", r["first_step"])})  # fmt: skip
@@ -283,15 +298,16 @@ def _mib(x: float) -> str:
 
 
 def setup_report(cases: list[dict[str, Any]]) -> str:
-    header = ("| model | layout | rank (stage) | peak at the first step | tiny model's | above it | rank's shards |"
-              " largest tensor | shards + largest | within | peak less resident then | replay's most at once |")
-    lines = [SETUP_BEGIN, "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ("| model | layout | rank (stage) | peak at the first step | same-depth tiny model's | above it | rank's"
+              " shards | largest tensor | shards + largest | within | above the 2-layer tiny model's |"
+              " peak less resident then | replay's most at once |")
+    lines = [SETUP_BEGIN, "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in setup_rows(cases):
         within = "yes" if r["holds"] else f"no (+{_mib(r['above'] - r['bound'])})"
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['rank']} ({r['stage']}) | {_mib(r['first_step'])} |"
             f" {_mib(r['tiny'])} | {_mib(r['above'])} | {_mib(r['shards'])} | {_mib(r['largest'])} |"
-            f" {_mib(r['bound'])} | {within} |"
+            f" {_mib(r['bound'])} | {within} | {_mib(r['above_shallow'])} |"
             f" {_mib(r['transient'])} | {_mib(r['replay'])} |"
         )
     lines += ["", SETUP_END]
@@ -306,13 +322,14 @@ def _write_section(page: Path, begin_marker: str, end_marker: str, section: str)
 
 
 def setup_cases(smoke: bool, models: tuple[str, ...] = SETUP_MODELS) -> list[dict[str, Any]]:
-    """The tiny model of each family and the big one, built in configure_model, at tp2 x pp2 and pp2: 1 step."""
+    """Each model, its family's 2-layer tiny model and a tiny one of its depth, built in configure_model, at tp2 x pp2
+    and pp2: 1 step."""
     models = ("smoke", "llama-smoke") if smoke else models
     cases = []
     for layout in ("tp2-pp2", "pp2"):
         for model in models:
             tiny = TINY["llama" if model in LLAMAS else "gpt"]
-            cases += [run_case(tiny, "deferred", layout, 1), run_case(model, "deferred", layout, 1)]
+            cases += [run_case(m, "deferred", layout, 1) for m in (tiny, SAME_DEPTH_TINY[model], model)]
     return cases
 
 
