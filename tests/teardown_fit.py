@@ -40,7 +40,8 @@ from lightning_hybrid import HybridStrategy  # noqa: E402
 from tests.harness import Recorder, build_module, full_parameters, make_dataset, trainer_kwargs  # noqa: E402
 
 spec = json.loads(sys.argv[1])
-module = build_module("nanogpt", n_layer=spec.get("n_layer", 2), bias=False)
+model = spec.get("model", "nanogpt")
+module = build_module(model, **({"n_layer": spec.get("n_layer", 2), "bias": False} if model == "nanogpt" else {}))
 kwargs = {**trainer_kwargs(1), **spec.get("trainer", {})}
 callbacks = []
 if spec.get("sigterm_at") is not None:  # every rank gets SIGTERM at the end of this batch, as a cluster sends it

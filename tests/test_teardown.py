@@ -32,7 +32,10 @@ LAYOUTS: list[dict[str, Any]] = [
     {"name": "dp2-zero0-buckets", "devices": 2, "strategy": {"zero_stage": 0}},
     {"name": "tp2-async-save", "devices": 2, "strategy": {"tensor_parallel_size": 2, "async_checkpoint": True},
      "save": True},
-    {"name": "tp2-pp2", "devices": 4, "strategy": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}},
+    # the Hugging Face Llama example: its embedding's tensor-parallel output reduction is issued async (left unwaited
+    # by the pipeline's probe of the first block's input, c10d warned at exit on the first stage's ranks)
+    {"name": "tp2-pp2", "devices": 4, "strategy": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+     "model": "llama"},
 ]  # fmt: skip
 # every layout once, the two ways of starting alternating (Lightning-launched first), and the pipeline (where the
 # abort was seen, Lightning-launched) both ways: a teardown defect has followed the layout's process groups or the way

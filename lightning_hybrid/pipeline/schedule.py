@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hybrid._hooks import capture_call, first_tensor
+from lightning_hybrid._torch_compat import AsyncCollectiveTensor
 from lightning_hybrid.config import HybridConfigError
 from lightning_hybrid.pipeline.boundaries import TensorSpec, UnsplitForward, trace_unsplit_forward
 from lightning_hybrid.pipeline.calls import CallPlan
@@ -50,7 +51,12 @@ def _first_block_input(
     found = first_tensor(*entry) if entry is not None else None
     if found is None:
         raise HybridConfigError("Could not find the hidden state entering the block list for pipeline parallel.")
-    return found[1]
+    hidden = found[1]
+    if isinstance(hidden, AsyncCollectiveTensor):
+        # a tensor-parallel input module's output reduction is issued async and waited by the op that reads it; only
+        # its shape is read here, so wait it: c10d otherwise warns of an unwaited collective at the process's exit
+        hidden = hidden.wait()
+    return hidden
 
 
 def boundaries(
