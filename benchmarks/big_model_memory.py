@@ -303,7 +303,8 @@ def setup_report(cases: list[dict[str, Any]]) -> str:
               " peak less resident then | replay's most at once |")
     lines = [SETUP_BEGIN, "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in setup_rows(cases):
-        within = "yes" if r["holds"] else f"no (+{_mib(r['above'] - r['bound'])})"
+        over = r["above"] - r["bound"]
+        within = "yes" if r["holds"] else f"no (+{_mib(over) if over >= 2**20 else f'{over / 2**10:.0f} KiB'})"
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['rank']} ({r['stage']}) | {_mib(r['first_step'])} |"
             f" {_mib(r['tiny'])} | {_mib(r['above'])} | {_mib(r['shards'])} | {_mib(r['largest'])} |"
