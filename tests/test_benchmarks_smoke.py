@@ -200,8 +200,9 @@ def test_pooling_runs_takes_the_median_of_every_paired_round_with_a_bootstrap_in
 
 def test_the_set_up_peak_table_compares_each_rank_with_its_bound() -> None:
     """`benchmarks/big_model_memory.py --setup` (its heavy runs are not in the suite): each rank of a big model against
-    the same rank of its family's tiny model in the same layout, the bound being the rank's own shards plus the
-    largest tensor any rank holds a part of; a rank over it is shown with the excess."""
+    the same rank of a tiny model of its family and depth in the same layout, the bound being the rank's own shards
+    plus the largest tensor any rank holds a part of; a rank over it is shown with the excess (in KiB under 1 MiB);
+    the family's 2-layer tiny model is a column beside it."""
     from benchmarks.big_model_memory import setup_report, setup_rows
 
     mib = 2**20
@@ -211,12 +212,18 @@ def test_the_set_up_peak_table_compares_each_rank_with_its_bound() -> None:
                 "shards": shards * mib, "largest": largest * mib, "materialize_peak": largest * mib}  # fmt: skip
 
     cases = [
-        {"model": "llama-tiny", "construction": "deferred", "layout": "pp2", "ranks": [rank(0, 400), rank(1, 402)]},
+        {"model": "llama-tiny", "construction": "deferred", "layout": "pp2", "ranks": [rank(0, 396), rank(1, 398)]},
+        {"model": "llama-tiny-24", "construction": "deferred", "layout": "pp2", "ranks": [rank(0, 400), rank(1, 402)]},
         {"model": "llama-0.47b", "construction": "deferred", "layout": "pp2",
          "ranks": [rank(0, 1400, shards=900, largest=100), rank(1, 1403, shards=880, largest=50)]},
+        {"model": "llama-tiny", "construction": "deferred", "layout": "tp2-pp2", "ranks": [rank(0, 400)]},
+        {"model": "llama-tiny-24", "construction": "deferred", "layout": "tp2-pp2", "ranks": [rank(0, 400)]},
+        {"model": "llama-0.47b", "construction": "deferred", "layout": "tp2-pp2",
+         "ranks": [{**rank(0, 0, shards=500, largest=100), "first_step": 1000 * mib + 228 * 2**10}]},
     ]  # fmt: skip
     rows = setup_rows(cases)
-    found = [(r["above"] // mib, r["bound"] // mib, r["holds"]) for r in rows]
-    assert found == [(1000, 1000, True), (1001, 980, False)]
+    found = [(r["above"] // mib, r["bound"] // mib, r["holds"], r["above_shallow"] // mib) for r in rows]
+    assert found == [(1000, 1000, True, 1004), (1001, 980, False, 1005), (600, 600, False, 600)]
     assert rows[1]["transient"] == 10 * mib
-    assert "| llama-0.47b | pp2 | 1 (1) |" in setup_report(cases) and "no (+21 MiB)" in setup_report(cases)
+    report = setup_report(cases)
+    assert "| llama-0.47b | pp2 | 1 (1) |" in report and "no (+21 MiB)" in report and "no (+228 KiB)" in report
