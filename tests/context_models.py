@@ -17,16 +17,35 @@ from tests.zoo_models import HFCausalLM
 class HFLabelsLM(HFCausalLM):
     """``model(input_ids, labels=input_ids)``: transformers shifts the labels inside its loss, across what context
     parallel makes a boundary between ranks; every token whose id is a multiple of 5 is ignored (-100). The loss is
-    logged without ``sync_dist``."""
+    logged without ``sync_dist``. It counts its calls on ``self`` and appends to a list after the network call (the
+    first step's probe of the loss runs the step again: none of that may show), and prints."""
+
+    ignores_tokens = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+        self.after: list[int] = []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, _ = batch
-        labels = x.masked_fill(x % 5 == 0, -100)
+        labels = x.masked_fill(x % 5 == 0, -100) if self.ignores_tokens else x
         loss = self.model(input_ids=x, labels=labels).loss
+        self.calls += 1
+        self.after.append(batch_idx)
+        print(f"training_step call {self.calls}", flush=True)
         # logged as a one-device script logs it (no sync_dist): under context parallel each rank's own loss is its
         # part's, and what is logged must be the batch's (the context ranks' mean)
         self.log("train_loss", loss)
         return loss
+
+
+class HFCountedLabelsLM(HFLabelsLM):
+    """:class:`HFLabelsLM` with no token ignored: under a pipeline each micro-batch's loss is its own tokens' mean, as
+    under "ddp" with accumulation, which equals one device's whole-batch mean only when every micro-batch counts the
+    same number of labels."""
+
+    ignores_tokens = False
 
 
 class HFShiftInsideLM(HFCausalLM):
@@ -56,12 +75,14 @@ class HFIgnoredTokensLM(HFCausalLM):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
 
-_CONTEXT_MODULES = {"cp-labels-": HFLabelsLM, "cp-shift-inside-": HFShiftInsideLM, "cp-ignored-": HFIgnoredTokensLM}
+_CONTEXT_MODULES = {"cp-labels-": HFLabelsLM, "cp-counted-": HFCountedLabelsLM, "cp-shift-inside-": HFShiftInsideLM,
+                    "cp-ignored-": HFIgnoredTokensLM}
 
 
 def build_context_module(model: str, **kwargs: Any) -> Optional[L.LightningModule]:
-    """``"cp-labels-<family>"`` -> :class:`HFLabelsLM`, ``"cp-shift-inside-<family>"`` -> :class:`HFShiftInsideLM`,
-    ``"cp-ignored-<family>"`` -> :class:`HFIgnoredTokensLM`; None for other names."""
+    """``"cp-labels-<family>"`` -> :class:`HFLabelsLM`, ``"cp-counted-<family>"`` -> :class:`HFCountedLabelsLM`,
+    ``"cp-shift-inside-<family>"`` -> :class:`HFShiftInsideLM`, ``"cp-ignored-<family>"`` -> :class:`HFIgnoredTokensLM`;
+    None for other names."""
     for prefix, cls in _CONTEXT_MODULES.items():
         if model.startswith(prefix):
             return cls(model[len(prefix) :], **kwargs)

@@ -113,7 +113,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "lightning_hybrid.planning*", "lightning_hybrid.checkpoint.tensors", "lightning_hybrid.checkpoint.format",
         "lightning_hybrid.checkpoint.integrity", "lightning_hybrid.checkpoint.optimizer",
         "lightning_hybrid.checkpoint.consolidate", "lightning_hybrid.monitoring.comm",
-        "lightning_hybrid.monitoring.metrics",
+        "lightning_hybrid.monitoring.metrics", "lightning_hybrid.unseen_run",
     )),
     # the mechanisms meeting Lightning: its precision plugin, callbacks and loggers, checkpoint files and hooks, its
     # cluster environment and data loaders, its LayerSync plugin

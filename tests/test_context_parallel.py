@@ -63,6 +63,8 @@ PARITY: dict[str, tuple[dict[str, Any], int]] = {
             _scenario("hf-llama-cp4", "hf-llama", {"context_parallel_size": 4, "zero_stage": 3}, 1),
             _scenario("hf-llama-cp2-pp2", "hf-llama", {**CP2, "pipeline_parallel_size": 2}, 1),
             _scenario("litgpt-cp2-pp2", "litgpt_llama", {**CP2, "pipeline_parallel_size": 2}, 1),
+            # the loss's first-step probe runs on the last stage; the earlier stage's ranks get stand-ins for the output
+            _scenario("counted-llama-cp2-pp2", "cp-counted-llama", {**CP2, "pipeline_parallel_size": 2}, 1),
         ],
         8: [
             _scenario("hf-llama-cp2-tp2-pp2", "hf-llama", CP2_TP2_PP2, 1),
@@ -135,6 +137,20 @@ def test_context_parallel_trains_like_one_device(groups, name: str) -> None:
     dp = result["layout"]["data_parallel_size"]
     assert all(samplers[r] == samplers[(r // replica) % dp * replica] for r in range(world))
     assert dp == 1 or samplers[0] != samplers[replica]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", ["cp-labels-llama-cp2", "cp-counted-llama-cp2-pp2"])
+def test_the_loss_probe_leaves_nothing_the_step_can_see(groups, name: str) -> None:
+    """The first step's probe of the loss runs the user's step three more times (context_parallel/verify.py): the
+    counter and the list on ``self`` still count what one device's run counts, on every rank, each micro-batch a
+    call of the step as under "ddp" with that accumulation."""
+    scenario, world = PARITY[name]
+    result = groups(world).get(name)
+    microbatches = result["layout"].get("num_microbatches", 1)
+    for rank, record in enumerate(result["per_rank"]):
+        assert record["step_calls"] == STEPS * microbatches, f"rank {rank}: {record['step_calls']} calls"
+        assert record["step_after"] == [i for i in range(STEPS) for _ in range(microbatches)], f"rank {rank}"
 
 
 @pytest.mark.timeout(1800)
@@ -224,6 +240,46 @@ def test_what_context_parallel_does_not_compose_with_is_refused_at_construction(
 def test_models_context_parallel_cannot_split_are_refused(model: str, kwargs: dict, match: str) -> None:
     with pytest.raises(HybridConfigError, match=match):
         plan_context_parallel(build_module(model, **kwargs), cp=2, tp=1)
+
+
+def test_a_checks_run_of_the_step_leaves_nothing_on_the_module(capsys: pytest.CaptureFixture[str]) -> None:
+    """What the probe's runs of the user's step leave (lightning_hybrid/unseen_run.py) is put back: attributes set or
+    rebound, the items of lists, dicts and sets, buffers changed in place or rebound, torchmetrics states; prints
+    and warnings are not shown. The network's subtree is skipped (the probe replaces it)."""
+    import warnings
+
+    import torchmetrics
+    from torch import nn
+
+    from lightning_hybrid.unseen_run import unseen_run
+
+    class Stepping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(2, 2)
+            self.total = torchmetrics.SumMetric()
+            self.register_buffer("seen_steps", torch.zeros(()))
+            self.calls, self.outputs, self.by_name, self.names = 0, [1], {"a": 1}, {"a"}
+
+    m = Stepping()
+    m.total.update(torch.tensor(2.0))
+    before = m.net.weight.clone()
+    with unseen_run(m, m.net):
+        m.calls += 1
+        m.outputs.append(2)
+        m.by_name["b"] = 2
+        m.names.add("b")
+        m.extra = True
+        m.seen_steps += 1
+        m.total.update(torch.tensor(5.0))
+        print("from the probe")
+        warnings.warn("from the probe", stacklevel=1)
+    assert (m.calls, m.outputs, m.by_name, m.names, hasattr(m, "extra")) == (0, [1], {"a": 1}, {"a"}, False)
+    assert float(m.seen_steps) == 0.0 and float(m.total.compute()) == 2.0
+    assert torch.equal(m.net.weight, before)
+    assert "from the probe" not in capsys.readouterr().out
+    with pytest.warns(UserWarning, match="after the probe"):  # the real step's warnings are shown again
+        warnings.warn("after the probe", stacklevel=1)
 
 
 def test_litgpt_soft_capped_attention_is_refused_naming_it() -> None:

@@ -191,6 +191,9 @@ def run(scenario: dict, out_dir: Path) -> None:
             "verification": getattr(getattr(strategy, "_pipeline", None), "verification", None),
             "pretrained_reads": reads.summary(module) if reads is not None else None,
             "pretrained_report": getattr(strategy, "pretrained", None),
+            # what the step left on the module, where it counts its calls (tests/context_models.py)
+            "step_calls": getattr(module, "calls", None) if isinstance(getattr(module, "calls", None), int) else None,
+            "step_after": list(getattr(module, "after", None) or []),
         },
     )
     result["per_rank"] = gathered

@@ -48,6 +48,7 @@ from lightning_hybrid.dtensor import full_tensor
 from lightning_hybrid.pipeline.boundaries import map_tensors
 from lightning_hybrid.pipeline.verify import LOSS_ERROR_FLOOR, LOW_PRECISION_TOLERANCE, TOLERANCES, deterministic
 from lightning_hybrid.tensor_parallel.vocab import whole_logits
+from lightning_hybrid.unseen_run import unseen_run
 
 __all__ = ["PROBE_POSITIONS", "ContextLossProbe"]
 
@@ -78,7 +79,7 @@ class ContextLossProbe:
             _raise_first(None)  # nothing to probe; a manual step calls the optimizers itself: it would step them
             return
         network = module.get_submodule(self.network_name)
-        with _quiet(module), deterministic(module):
+        with unseen_run(module, network), _quiet(module), deterministic(module):
             captured = capture_call(network, lambda: getattr(module, mode)(*args, **kwargs))
             with torch.no_grad():
                 output = network(*captured[0], **captured[1]) if captured is not None else None
@@ -92,7 +93,10 @@ class ContextLossProbe:
         first finding of any rank (collective over the world)."""
         finding = None
         if output is not None and self.network_name and getattr(module, "automatic_optimization", True):
-            with _quiet(module), deterministic(module), torch.compiler.set_stance("force_eager"):
+            network = module.get_submodule(self.network_name)
+            # the step runs three more times here: nothing of those runs may reach what the user's code sees
+            eager = torch.compiler.set_stance("force_eager")
+            with unseen_run(module, network), _quiet(module), deterministic(module), eager:
                 try:
                     finding = self._probe(module, mode, batch, extra, kwargs or {}, _detached(output))
                 except Exception as error:  # reported on every rank, not left for the other stages to wait on
