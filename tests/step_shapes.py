@@ -15,7 +15,8 @@ network, counts its calls on ``self``, logs with every ``reduce_fx``. :class:`St
   a consistency term between the two calls' log-probabilities (an MSE on them).
 
 Every shape counts its calls on ``self`` and appends to a list before its network call and to another after it (side
-effects), logs its loss with ``reduce_fx`` sum,
+effects), returns its predictions beside the loss (read in ``on_train_batch_end``), keeps validation predictions on
+``self`` for ``on_validation_epoch_end``, logs its loss with ``reduce_fx`` sum,
 mean, max and min (``sync_dist``), a value with an explicit ``batch_size`` and a torchmetrics object, in training and
 validation; ``predict_step`` returns the argmax of the logits. ``run_step_shapes`` runs one scenario in a shared launch:
 each call of the step sees two samples and an optimizer step takes two calls per replica, whatever the layout (a
@@ -61,6 +62,8 @@ class StepShapes(L.LightningModule):
         self.calls = 0
         self.seen: list[int] = []
         self.after: list[int] = []
+        self.train_preds: list[torch.Tensor] = []  # the step's returned predictions, as on_train_batch_end gets them
+        self.val_outputs: list[torch.Tensor] = []  # kept by validation_step, read in on_validation_epoch_end
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -103,22 +106,31 @@ class StepShapes(L.LightningModule):
             return F.cross_entropy(first.flatten(0, 1), y.flatten()) + 0.1 * consistency, first, y
         raise ValueError(shape)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         self.calls += 1
         self.seen.append(batch_idx)
-        loss, _, _ = self._loss(batch)
+        loss, logits, _ = self._loss(batch)
         self.after.append(batch_idx)  # after the network: the earlier pipeline stages run this on stand-ins
         for fx in ("sum", "mean", "max", "min"):
             self.log(f"train_loss_{fx}", loss, on_step=False, on_epoch=True, reduce_fx=fx, sync_dist=True)
         self.log("train_loss_sized", loss, on_step=False, on_epoch=True, batch_size=len(batch[0]), sync_dist=True)
-        return loss
+        return {"loss": loss, "preds": logits.argmax(-1)}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.train_preds.append(outputs["preds"].cpu())
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         loss, logits, targets = self._loss(batch)
+        self.val_outputs.append(logits.argmax(-1))  # kept on self after the call: real on every pipeline stage
         self.val_acc(logits.argmax(-1).flatten(), targets.flatten())
         self.log("val_acc", self.val_acc)
         for fx in ("sum", "max"):
             self.log(f"val_loss_{fx}", loss, reduce_fx=fx, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        kept = torch.cat(self.val_outputs).float()
+        self.log("val_kept_sum", kept.sum(), reduce_fx="sum", sync_dist=True)
+        self.val_outputs.clear()
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0]).argmax(-1)
@@ -152,6 +164,7 @@ def run_step_shapes(scenario: dict[str, Any], out_dir: Path) -> None:
     trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=True), val_dataloaders=evaluation)
     runner = getattr(getattr(trainer.strategy, "parallelized", None), "runner", None)
     fitted = {"calls": module.calls, "seen": list(module.seen), "after": list(module.after),
+              "train_preds": torch.cat(module.train_preds),
               "holds_output": runner is None or runner.last_stage in runner.stages,
               "epoch_values": _floats(trainer.callback_metrics)}  # fmt: skip
     predictions = trainer.predict(module, dataloaders=DataLoader(Subset(data, range(8)), batch_size=batch_size))

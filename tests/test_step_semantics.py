@@ -88,6 +88,8 @@ def test_step_runs_as_under_ddp(shared_groups, case: dict[str, Any]) -> None:
             error = abs(got["epoch_values"][key] - value) / max(abs(value), 1e-12)
             assert error <= LOGGED_TOLERANCE, f"{where}: {key} = {got['epoch_values'][key]} vs ddp's {value}"
         assert torch.equal(got["predictions"], want["predictions"]), f"{where}: predictions differ from ddp's"
+        # what the step returned beside its loss, as on_train_batch_end got it (each micro-batch's, in order)
+        assert torch.equal(got["train_preds"], want["train_preds"]), f"{where}: the step's returned predictions"
     params = {name: p for got in result for name, p in got["params"].items()}
     for name, want in reference[0]["params"].items():
         error = relative_error(params[name], want)

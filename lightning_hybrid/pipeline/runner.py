@@ -20,7 +20,7 @@ schedule takes input gradients from ``torch.autograd.grad`` (``NetworkSplit.atta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any, Optional
@@ -41,6 +41,7 @@ from lightning_hybrid.pipeline.calls import CallPlan, agree_on_plan, run_past_ca
 from lightning_hybrid.pipeline.checks import FirstStepChecks
 from lightning_hybrid.pipeline.logged import LogCollector, log_dtype, merge_records, scalar_means
 from lightning_hybrid.pipeline.microbatch import batch_size_of, merge_microbatches, split_batch
+from lightning_hybrid.pipeline.module_state import StateMirror
 from lightning_hybrid.pipeline.paused import (
     NetworkCall,
     PausedStep,
@@ -94,10 +95,9 @@ class PipelineRunner:
         """Names, args and kwargs of the last training step's logged records when all were scalars: the next step's
         records then travel as one tensor. The same on every rank (learned from the object broadcast)."""
         self._stashed: list[tuple[nn.Parameter, Tensor]] = []
-        self._timer = ActionTimer(dist.get_rank())
-        self._log = LogCollector()
-        self._metrics = MetricMirror(module)
-        """The module's torchmetrics objects, updated on the last stage and mirrored on the others."""
+        self._timer, self._log = ActionTimer(dist.get_rank()), LogCollector()
+        self._metrics, self._state = MetricMirror(module), StateMirror(module)
+        """The module's torchmetrics objects and the tensors its step keeps on it: from the last stage to the others."""
         self._threads = StepThreads()
         self._streams = RandomStreams(device)
         self._stand_in = StandInOutputs(split.unsplit, device)
@@ -153,6 +153,7 @@ class PipelineRunner:
         last = self._holds_last
         previous = self._take_gradients() if training else []
         checks_done = not self._checks_pending
+        self._state.begin()
         if last:  # the last stage keeps what the steps add to its metrics, and mirrors it to the others
             self._metrics.begin()
         try:
@@ -180,7 +181,7 @@ class PipelineRunner:
                 paused.end()
             self._streams.end()
             if last:
-                step.metrics = self._metrics.end()
+                step.metrics, step.state = self._metrics.end(), self._state.changes()
         if training:
             if step.checks is not None:
                 step.checks.check_gradients(self.stages)
@@ -458,6 +459,9 @@ class PipelineRunner:
             return torch.zeros(1, dtype=torch.float32, device=self.device)
         loss = out if isinstance(out, Tensor) else out["loss"]
         step.losses.append(loss.detach())
+        if isinstance(out, Mapping) and len(out) > 1:  # the step's other outputs reach Lightning's `outputs`
+            others = {k: v for k, v in out.items() if k != "loss"}
+            step.outputs.append(apply_to_collection(others, Tensor, Tensor.detach))
         # the micro-batch mean gives the full batch's mean-loss gradient, as on one device
         # shape [1], not a scalar: schedules concatenate last-stage outputs across micro-batches
         # in fp32: a scaled fp16 loss would overflow fp16 (4.0 x 2**16 > 65504)
@@ -531,13 +535,12 @@ class PipelineRunner:
             matches = False
             if last:
                 means = scalar_means(step.records, self._schema, self.device)
-                # a metric object's step (its state tensors) travels on the object path
-                matches = means is not None and not step.metrics
+                # a metric object's step (its state tensors) and the step's other outputs travel on the object path
+                matches = means is not None and not step.metrics and not step.outputs and step.state is None
                 flag = (torch.ones if matches else torch.zeros)((), dtype=torch.float64, device=self.device)
                 loss = torch.stack(step.losses).mean().reshape(()).to(torch.float64)
-                packed = torch.stack([flag, loss, *(means or [])])
-                if not matches:
-                    packed = torch.cat([packed, packed.new_zeros(k)])
+                # always 2 + k values, as the receivers expect; on the object path the values are not read
+                packed = torch.stack([flag, loss, *(means if matches else [flag.new_zeros(())] * k)])  # type: ignore[misc]
                 # the sender does not wait for its peers to receive: it has the values already, and waiting would
                 # hold the last stage (done first in a step) until the first stage's last backward ends, then
                 # start both ranks' optimizer steps and Lightning's loop in lockstep instead of overlapped (10% of
@@ -562,20 +565,25 @@ class PipelineRunner:
                 "loss": torch.stack(step.losses).mean().item() if training else None,
                 "records": self._metrics.referenced(merge_records(step.records)),
                 "metrics": step.metrics,
-                "outputs": None if training else _to_cpu(merge_microbatches(step.outputs)) if step.outputs else None,
+                "state": step.state,
+                # a training step's outputs besides its loss (a dict's other keys), or another step's outputs
+                "outputs": _to_cpu(merge_microbatches(step.outputs)) if step.outputs else None,
             }
         dist.broadcast_object_list(payload, src=self._last_global_rank, group=group)
         result = payload[0]
         if not last:
             self._metrics.apply(result["metrics"])
+            self._state.apply(result["state"], self.device)
         records = self._metrics.resolved(result["records"])
-        if training:
-            scalars = all(isinstance(value, float) for _, value, _, _ in records)
-            self._schema = [(name, args, kwargs) for name, _, args, kwargs in records] if scalars else None
-            return StepResults(torch.tensor(result["loss"], device=self.device), records)
         outputs = result["outputs"]
         if outputs is not None:
             outputs = apply_to_collection(outputs, Tensor, lambda t: t.to(self.device))
+        if training:
+            scalars = all(isinstance(value, float) for _, value, _, _ in records)
+            self._schema = [(name, args, kwargs) for name, _, args, kwargs in records] if scalars else None
+            loss = torch.tensor(result["loss"], device=self.device)
+            # as the step returned it: its other outputs merged over the micro-batches (dim 0), for on_train_batch_end
+            return StepResults({"loss": loss, **outputs} if outputs is not None else loss, records)
         return StepResults(outputs, records)
 
 

@@ -61,6 +61,8 @@ class StepContext:
     active: Optional[tuple[int, Optional[Tensor]]] = None
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
     """What the step added to each torchmetrics object it updated (last stage only; ``MetricMirror.end``)."""
+    state: Any = None
+    """The tensors the step kept on the module (last stage only; ``pipeline.module_state.StateMirror.changes``)."""
 
 
 @dataclass
