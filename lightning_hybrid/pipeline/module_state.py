@@ -30,10 +30,21 @@ Changes = dict[str, tuple[str, Any]]
 """Attribute name -> ("set", value) | ("append", (start, items)) | ("keys", {key: value})."""
 
 
+_SCALARS = (int, float, bool, str, type(None))
+
+
 def _holds_tensor(value: Any) -> bool:
-    found = []
-    apply_to_collection(value, Tensor, lambda t: found.append(t) or t)
-    return bool(found)
+    """A tensor, or plain lists, tuples and dicts of tensors and scalars holding one. Other objects are not followed:
+    they may not pickle, and what the broadcast sends must."""
+    if isinstance(value, Tensor):
+        return True
+    if type(value) in (list, tuple):
+        return all(isinstance(v, (Tensor, *_SCALARS)) or _holds_tensor(v) for v in value) and any(
+            isinstance(v, Tensor) or _holds_tensor(v) for v in value
+        )
+    if type(value) is dict:
+        return _holds_tensor(list(value.values()))
+    return False
 
 
 def _sendable(value: Any) -> Any:
