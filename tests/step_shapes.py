@@ -59,7 +59,7 @@ class StepShapes(L.LightningModule):
         if shape == "pair":  # a frozen reference network, not the one the strategy splits
             self.reference = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)).requires_grad_(False)
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=VOCAB, average="micro")
-        self.calls = 0
+        self.calls, self.calls_after = 0, 0
         self.seen: list[int] = []
         self.after: list[int] = []
         self.train_preds: list[torch.Tensor] = []  # the step's returned predictions, as on_train_batch_end gets them
@@ -111,6 +111,7 @@ class StepShapes(L.LightningModule):
         self.seen.append(batch_idx)
         loss, logits, _ = self._loss(batch)
         self.after.append(batch_idx)  # after the network: the earlier pipeline stages run this on stand-ins
+        self.calls_after += 1
         for fx in ("sum", "mean", "max", "min"):
             self.log(f"train_loss_{fx}", loss, on_step=False, on_epoch=True, reduce_fx=fx, sync_dist=True)
         self.log("train_loss_sized", loss, on_step=False, on_epoch=True, batch_size=len(batch[0]), sync_dist=True)
@@ -163,7 +164,8 @@ def run_step_shapes(scenario: dict[str, Any], out_dir: Path) -> None:
     evaluation = DataLoader(Subset(data, range(2 * VAL_CALLS * CALL_SAMPLES)), batch_size=batch_size)
     trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=True), val_dataloaders=evaluation)
     runner = getattr(getattr(trainer.strategy, "parallelized", None), "runner", None)
-    fitted = {"calls": module.calls, "seen": list(module.seen), "after": list(module.after),
+    fitted = {"calls": module.calls, "calls_after": module.calls_after, "seen": list(module.seen),
+              "after": list(module.after),
               "train_preds": torch.cat(module.train_preds),
               "holds_output": runner is None or runner.last_stage in runner.stages,
               "epoch_values": _floats(trainer.callback_metrics)}  # fmt: skip

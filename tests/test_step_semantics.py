@@ -16,7 +16,6 @@ import torch
 from tests.conftest import launched, relative_error, share
 
 TOLERANCE = 1e-5
-READS_OUTPUT = {"draws"}  # shapes whose step reads values of the network's output (a boolean mask's selection)
 LOGGED_TOLERANCE = 1e-6
 _OFF = {"verify_pipeline": False, "verify_tensor_parallel": False}
 _PP2 = {"pipeline_parallel_size": 2, "num_microbatches": 2}
@@ -77,12 +76,12 @@ def test_step_runs_as_under_ddp(shared_groups, case: dict[str, Any]) -> None:
         # each micro-batch's call gets the index of the batch it is part of (the loop's): "ddp"'s calls count on
         microbatches = 1 if isinstance(case["strategy"], str) else case["strategy"].get("num_microbatches", 1)
         assert got["seen"] == [i // microbatches for i in want["seen"]], f"{where}: the list appended before the call"
-        # after the network call: on every rank, the earlier pipeline stages on stand-ins, where a value read of the
-        # output ("draws" indexes the logits with its boolean mask) ends the step (docs/step-semantics.md)
+        # after the network call: the earlier pipeline stages run it on stand-ins; where a value read of the output
+        # ends it there ("draws" indexes the logits with its boolean mask), the last stage's list and counter are
+        # mirrored to them (docs/step-semantics.md): "ddp"'s on every rank either way
         after = [i // microbatches for i in want["after"]]
-        if case["shape"] in READS_OUTPUT and not got["holds_output"]:
-            after = []
         assert got["after"] == after, f"{where}: the list appended after the network call"
+        assert got["calls_after"] == want["calls_after"] == 6, f"{where}: {got['calls_after']} counted after the call"
         assert got["epoch_values"].keys() == want["epoch_values"].keys(), where
         for key, value in want["epoch_values"].items():
             error = abs(got["epoch_values"][key] - value) / max(abs(value), 1e-12)

@@ -7,6 +7,8 @@ be stand-ins there, and reading them fails outside the step, on rank 0 too, whic
 stage sends what the step changed on the module that holds tensors (:meth:`StateMirror.changes`), and the other
 stages put it in place of their own (:meth:`StateMirror.apply`): attributes set or rebound, items appended to a list,
 keys set in a dict. With the step's other results, in the one broadcast a step already makes (its object form).
+Where a value read of the output ends the step early on the stand-in ranks, plain numbers and strings it sets are
+mirrored too (:attr:`StateMirror.every_value`): those ranks never reached the code that sets them.
 
 Cost: nothing unless the step keeps tensors on the module; then those tensors, once per step, to every other stage
 of the pipeline (what "ddp" holds on every rank anyway). Only the LightningModule's own attributes are followed, not
@@ -47,6 +49,15 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+def _plain(value: Any) -> bool:
+    """A number, string or None, a tensor, or plain lists, tuples and dicts of them (what pickles as it is)."""
+    if isinstance(value, (Tensor, *_SCALARS)):
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(v) for v in value)
+    return type(value) is dict and all(_plain(v) for v in value.values())
+
+
 def _sendable(value: Any) -> Any:
     """Plain, detached, on the CPU (a DTensor made the tensor it stands for)."""
     return apply_to_collection(value, Tensor, lambda t: (to_plain(t) if isinstance(t, DTensor) else t).detach().cpu())
@@ -70,6 +81,9 @@ class StateMirror:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.every_value = False
+        """Also what the step sets that holds no tensor (a counter after the call), where the stand-in ranks' run of
+        the step ends early (a value read of the output): theirs never reached it. The runner sets it per step."""
         self._before: dict[str, Any] = {}
         self._sizes: dict[str, int] = {}
         self._keys: dict[str, dict[Any, Any]] = {}
@@ -82,22 +96,24 @@ class StateMirror:
         self._keys = {k: dict(v) for k, v in attributes.items() if type(v) is dict and not k.startswith("_")}
 
     def changes(self) -> Optional[Changes]:
-        """After the step on the last stage: what it changed that holds tensors, ready to send (None: nothing)."""
+        """After the step on the last stage: what it changed that holds tensors (or, with :attr:`every_value`, any
+        plain value), ready to send (None: nothing)."""
         out: Changes = {}
+        kept = _plain if self.every_value else _holds_tensor
         for name, value in self.module.__dict__.items():
             if name.startswith("_") and name not in self._sizes:
                 continue  # nn.Module's and Lightning's own bookkeeping
             if self._before.get(name, _MISSING) is not value:
-                if _holds_tensor(value):
+                if kept(value):
                     out[name] = ("set", _sendable(value))
             elif name in self._sizes and len(value) > self._sizes[name]:
                 added = value[self._sizes[name] :]
-                if _holds_tensor(added):
+                if kept(added):
                     out[name] = ("append", (self._sizes[name], _sendable(added)))
             elif name in self._keys:
                 before = self._keys[name]
                 changed = {k: v for k, v in value.items() if before.get(k, _MISSING) is not v}
-                if _holds_tensor(changed):
+                if changed and kept(changed):
                     out[name] = ("keys", _sendable(changed))
         return out or None
 

@@ -96,8 +96,7 @@ class PipelineRunner:
         records then travel as one tensor. The same on every rank (learned from the object broadcast)."""
         self._stashed: list[tuple[nn.Parameter, Tensor]] = []
         self._timer, self._log = ActionTimer(dist.get_rank()), LogCollector()
-        self._metrics, self._state = MetricMirror(module), StateMirror(module)
-        """The module's torchmetrics objects and the tensors its step keeps on it: from the last stage to the others."""
+        self._metrics, self._state = MetricMirror(module), StateMirror(module)  # from the last stage to the others
         self._threads = StepThreads()
         self._streams = RandomStreams(device)
         self._stand_in = StandInOutputs(split.unsplit, device)
@@ -253,7 +252,8 @@ class PipelineRunner:
                         f" for inputs of the same shapes: these micro-batches called it {counts} times, earlier ones"
                         f" {plan.calls}."
                     )
-        step.calls = plan.calls
+        # where a value read of the output ends the step on the stand-in ranks, numbers it sets after are mirrored too
+        step.calls, self._state.every_value = plan.calls, plan.stopped is not None
         if cached is None:
             schedule, self._sends = build_schedule(
                 self.stages, self.split, plan, name=self.schedule_name, training=training,
